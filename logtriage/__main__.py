@@ -1,0 +1,3 @@
+from logtriage.cli import main
+
+raise SystemExit(main())
