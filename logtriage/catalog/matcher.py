@@ -1,0 +1,65 @@
+"""Match cleaned log lines against the whole catalog at once.
+
+All RE2 patterns go into one RE2::Set, so a line costs one scan whatever the number of rules;
+only the rules whose patterns hit are then searched again for their named captures. Rules on the
+`regex` engine (user rules with look-around) are tried one by one under their time limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import re2
+
+from logtriage.catalog.compiled import CompiledRule
+from logtriage.catalog.loader import Catalog
+from logtriage.catalog.rule import Engine, Rule
+
+
+@dataclass(frozen=True)
+class RuleHit:
+    rule: Rule
+    captures: Mapping[str, str]
+
+
+class Matcher:
+    def __init__(self, catalog: Catalog):
+        self._rules = [c for c in catalog.rules if c.rule.patterns]
+        self._set = re2.Set.SearchSet()
+        self._owner: list[CompiledRule] = []
+        self._slow: list[CompiledRule] = []
+        for compiled in self._rules:
+            if compiled.engine is Engine.RE2:
+                for pattern in compiled.rule.patterns:
+                    self._set.Add(pattern)
+                    self._owner.append(compiled)
+            else:
+                self._slow.append(compiled)
+        self._empty = not self._owner
+        if not self._empty:
+            self._set.Compile()
+
+    @property
+    def rules(self) -> list[CompiledRule]:
+        return self._rules
+
+    def match(self, text: str) -> list[RuleHit]:
+        """Every rule that matches `text`, highest priority first (ties by id)."""
+        hits: dict[str, RuleHit] = {}
+        if not self._empty:
+            for index in self._set.Match(text) or ():
+                compiled = self._owner[index]
+                if compiled.rule.id in hits:
+                    continue
+                captures = compiled.search(text)
+                if captures is not None:
+                    hits[compiled.rule.id] = RuleHit(compiled.rule, captures)
+        for compiled in self._slow:
+            captures = compiled.search(text)
+            if captures is not None:
+                hits[compiled.rule.id] = RuleHit(compiled.rule, captures)
+        return sorted(hits.values(), key=lambda h: (-h.rule.priority, h.rule.id))
+
+    def timed_out_rules(self) -> list[str]:
+        return [c.rule.id for c in self._slow if c.timed_out]
