@@ -1,0 +1,189 @@
+"""Launch one scenario variant under a real launcher and capture its console byte for byte.
+
+The launcher's stdout and stderr go into one pipe, as ``cmd 2>&1 | tee run.log`` sees them
+(not a tty, so the launcher's stdout is block-buffered exactly as in a captured CI job).
+Each run gets a free master port, a fresh scratch folder and a safety timeout; at the end the
+whole process group is killed so no worker outlives its run.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from contextlib import closing, contextmanager
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Iterator
+
+from logtriage.inject.model import Backend, Launcher, ResolvedExpectation, Scenario, Variant
+from logtriage.inject.workspace import Workspace
+
+# Launcher settings that change what the console shows; a run starts without them and the
+# variant adds back what it wants, so a user's shell cannot change the captured corpus.
+_SCRUBBED_ENV_PREFIXES = ("TORCH_DISTRIBUTED_", "TORCH_NCCL_", "NCCL_", "TORCHELASTIC_",
+                          "TORCH_CPP_", "TORCH_SHOW_", "TORCH_LOGS")
+_SCRUBBED_ENV = {"LOGLEVEL", "OMP_NUM_THREADS", "PYTHONFAULTHANDLER", "MASTER_ADDR",
+                 "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "PYTHONPATH"}
+
+
+class RunStatus(str, Enum):
+    CAPTURED = "captured"      # ran to the end; the log is written
+    TIMED_OUT = "timed_out"    # the safety timeout killed it; the partial log is written
+    SKIPPED = "skipped"        # not runnable here (no CUDA, missing module); nothing written
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything needed to run one variant: resolved sizes, command, environment."""
+
+    scenario: Scenario
+    variant: Variant
+    backend: Backend
+    nproc: int
+    fault_rank: int
+    expectation: ResolvedExpectation
+    evidence: str
+    exit_code: int
+    timeout_s: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.scenario.name}__{self.variant.name}"
+
+    def env(self) -> dict[str, str]:
+        return dict(self.variant.env)
+
+    def command(self, workspace: Workspace, port: int) -> list[str]:
+        variant = self.variant
+        script = ["scenarios/" + self.scenario.script]
+        if self.scenario.fault_on_rank:
+            script += ["--fault-rank", str(self.fault_rank)]
+        if self.backend is not Backend.GLOO:
+            script += ["--backend", self.backend.value]
+        script += [*self.scenario.script_args, *variant.script_args]
+        if variant.launcher is Launcher.MP_SPAWN:
+            return [str(workspace.python), *script, "--spawn", str(self.nproc)]
+        head = {
+            Launcher.TORCHRUN: [str(workspace.python), str(workspace.torchrun)],
+            Launcher.RUN_MODULE: [str(workspace.python), "-m", "torch.distributed.run"],
+            Launcher.LAUNCH_MODULE: [str(workspace.python), "-m", "torch.distributed.launch"],
+        }[variant.launcher]
+        launcher = ["--nnodes", "1", "--nproc-per-node", str(self.nproc)]
+        if variant.master_port:
+            launcher += ["--master-port", str(port)]
+        if variant.log_dir:
+            launcher += ["--log-dir", "logs"]
+        return [*head, *launcher, *variant.launcher_args, *script]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    plan: RunPlan
+    status: RunStatus
+    log_path: Path | None = None
+    log_dir_copy: Path | None = None
+    command: str = ""
+    exit_code: int | None = None
+    duration_s: float = 0.0
+    evidence_found: bool = False
+    reason: str = ""
+
+    @property
+    def as_expected(self) -> bool:
+        """Captured, with the declared launcher exit code and the fault's key message."""
+        return (self.status is RunStatus.CAPTURED and self.exit_code == self.plan.exit_code
+                and self.evidence_found)
+
+
+def free_port() -> int:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def _occupied(port: int, active: bool) -> Iterator[None]:
+    """Hold ``port`` open (listening) for the duration, like a stale job would."""
+    if not active:
+        yield
+        return
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("0.0.0.0", port))
+        sock.listen(1)
+        yield
+
+
+def _run_env(plan: RunPlan, port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in _SCRUBBED_ENV and not k.startswith(_SCRUBBED_ENV_PREFIXES)}
+    if plan.variant.launcher is Launcher.MP_SPAWN:
+        env.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
+    env.update(plan.env())
+    return env
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def execute(plan: RunPlan, workspace: Workspace, out_dir: Path) -> RunResult:
+    """Run the plan and write ``<out_dir>/<name>.log`` (and ``<name>/`` for log-dir runs)."""
+    workspace.reset_run_dirs()
+    port = free_port()
+    argv = plan.command(workspace, port)
+    env = _run_env(plan, port)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / f"{plan.name}.log"
+    timed_out = False
+    with _occupied(port, plan.variant.occupy_master_port), open(log_path, "wb") as log:
+        started = time.monotonic()
+        proc = subprocess.Popen(argv, cwd=workspace.root, env=env, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=plan.timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+            code = proc.wait()
+        duration = time.monotonic() - started
+        # Workers that outlive the launcher (they should not) are in the same session.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    data = log_path.read_bytes()
+    tree = _keep_log_dir(workspace, out_dir / plan.name) if plan.variant.log_dir else None
+    env_text = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env().items())
+    command = workspace.display(" ".join(shlex.quote(a) for a in argv))
+    return RunResult(
+        plan=plan,
+        status=RunStatus.TIMED_OUT if timed_out else RunStatus.CAPTURED,
+        log_path=log_path, log_dir_copy=tree,
+        command=f"{env_text} {command}".strip(), exit_code=code,
+        duration_s=round(duration, 2),
+        evidence_found=plan.evidence.encode() in data if plan.evidence else True,
+        reason=f"safety timeout {plan.timeout_s:.0f} s" if timed_out else "",
+    )
+
+
+def _keep_log_dir(workspace: Workspace, destination: Path) -> Path | None:
+    shutil.rmtree(destination, ignore_errors=True)
+    if not any(workspace.log_dir.iterdir()):
+        return None
+    shutil.copytree(workspace.log_dir, destination)
+    return destination

@@ -1,0 +1,62 @@
+"""Rank 0 saves a checkpoint without a barrier; another rank loads it too early.
+
+At --fault-step rank 0 evaluates (slowly) and then writes the checkpoint, with no barrier
+before or after; the fault rank wants to resume from it right away. --write normal: the file
+is not there yet (FileNotFoundError). --write partial: rank 0 writes the bytes in two halves
+with a pause, so the early reader finds a truncated zip archive.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+
+import torch
+from _common import (build_loader, build_model, finish, launch, make_parser, progress,
+                     report_step, setup, train_step)
+
+
+def write_slowly(state: dict, path: str) -> None:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    with open(path, "wb") as handle:
+        handle.write(data[: len(data) // 2])
+        handle.flush()
+        time.sleep(2.0)
+        handle.write(data[len(data) // 2:])
+
+
+def main(args) -> None:
+    run = setup(args)
+    model = build_model(run)
+    loader, sampler = build_loader(run)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    os.makedirs(args.scratch, exist_ok=True)
+    path = os.path.join(args.scratch, f"step_{args.fault_step}.pt")
+    step = 0
+    for epoch in range(1):
+        sampler.set_epoch(epoch)
+        for inputs, targets in progress(run, loader):
+            step += 1
+            loss = train_step(run, model, optimizer, inputs, targets)
+            report_step(run, step, loss)
+            if step != args.fault_step:
+                continue
+            if run.rank == 0:
+                if args.write == "partial":
+                    write_slowly(model.module.state_dict(), path)
+                else:
+                    time.sleep(1.0)  # evaluation before saving
+                    torch.save(model.module.state_dict(), path)
+            if run.rank == args.fault_rank:
+                time.sleep(0.5 if args.write == "partial" else 0.0)
+                model.module.load_state_dict(torch.load(path, map_location=run.device))
+    finish(run)
+
+
+if __name__ == "__main__":
+    parser = make_parser(__doc__)
+    parser.add_argument("--write", choices=("normal", "partial"), default="normal")
+    launch(main, parser.parse_args())
