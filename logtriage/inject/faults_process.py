@@ -113,7 +113,7 @@ WATCHDOG_STUCK_RANK = Scenario(
                        note="rank {fault} blocks on a lock after its all-reduce; its watchdog "
                             "prints [FATAL] after 4 s without a step and calls os._exit(1); "
                             "the others see 'Connection closed by peer'"),
-    evidence="[FATAL] [rank ",
+    evidence="秒无 Step 心跳",
     variants=(Variant("np2"), Variant("np3", nproc=3, fault_rank=2)),
 )
 

@@ -42,8 +42,8 @@ class DDPWatchdog(threading.Thread):
             time.sleep(self.interval)
             elapsed = time.time() - self.last_heartbeat
             if elapsed > self.timeout_seconds:
-                print(f"[FATAL] [rank {self.rank}] 检测到训练卡死：超过 {elapsed:.1f} 秒无 Step 心跳，"
-                      "强行终止进程", file=sys.stderr, flush=True)
+                print(f"[FATAL] 检测到训练卡死：超过 {elapsed:.1f} 秒无 Step 心跳，强行终止进程 "
+                      f"(rank {self.rank})", file=sys.stderr, flush=True)
                 os._exit(1)
 
 
