@@ -1,0 +1,97 @@
+"""Hand-made per-rank shards (`data[rank::world_size]`, `np.array_split(x, n)[rank]`) and the loops
+that iterate them."""
+
+from __future__ import annotations
+
+import ast
+from typing import Iterator
+
+from logtriage.lint.loops import sync_points
+from logtriage.lint.names import dotted
+from logtriage.lint.pyfile import PyFile
+
+CHUNKERS = frozenset({"array_split", "chunk", "tensor_split"})
+
+
+def _is_shard(pf: PyFile, node: ast.AST) -> bool:
+    ranks = pf.ranks
+    if isinstance(node, ast.Subscript):
+        sl = node.slice
+        if isinstance(sl, ast.Slice):
+            return (sl.lower is not None and ranks.contains_rank_value(sl.lower) and sl.step is not None
+                    and sl.upper is None)
+        if isinstance(node.value, ast.Call) and ranks.contains_rank_value(sl):
+            return pf.qual(node.value).rsplit(".", 1)[-1] in CHUNKERS
+    if isinstance(node, ast.Call) and pf.qual(node).endswith("islice") and len(node.args) >= 4:
+        return ranks.contains_rank_value(node.args[1])
+    return False
+
+
+def _evened(pf: PyFile, base: str | None) -> bool:
+    """`data = data[: len(data) // world_size * world_size]` somewhere: the shards are equal."""
+    if base is None:
+        return False
+    for node in ast.walk(pf.tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript):
+            sl = node.value.slice
+            if (dotted(node.value.value) == base and isinstance(sl, ast.Slice) and sl.upper is not None
+                    and any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.FloorDiv) for n in ast.walk(sl.upper))):
+                return True
+    return False
+
+
+def _base(shard: ast.AST) -> str | None:
+    if isinstance(shard, ast.Subscript):
+        value = shard.value
+        if isinstance(value, ast.Call) and value.args:
+            return dotted(value.args[0])
+        return dotted(value)
+    if isinstance(shard, ast.Call) and shard.args:
+        return dotted(shard.args[0])
+    return None
+
+
+def _derived(pf: PyFile, seeds: set[int]) -> set[str]:
+    """Names bound (directly or through calls like DataLoader(...)) to an expression holding a shard."""
+    names: set[str] = set()
+    for _ in range(3):
+        for node in ast.walk(pf.tree):
+            if not isinstance(node, ast.Assign):
+                continue
+            inside = {id(n) for n in ast.walk(node.value)}
+            uses = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name)}
+            if inside & seeds or uses & names:
+                names.update(n for n in (dotted(t) for t in node.targets) if n)
+                for t in node.targets:
+                    names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+def _inside_join(pf: PyFile, loop: ast.AST) -> bool:
+    node = pf.parents.get(id(loop))
+    while node is not None:
+        if isinstance(node, (ast.With, ast.AsyncWith)):
+            for item in node.items:
+                expr = item.context_expr
+                if isinstance(expr, ast.Call) and (dotted(expr.func) or "").rsplit(".", 1)[-1] in ("join", "Join"):
+                    return True
+        node = pf.parents.get(id(node))
+    return False
+
+
+def shard_loops(pf: PyFile) -> Iterator[tuple[ast.AST, ast.AST, str]]:
+    """(shard expression, loop, what the loop synchronises) for each uneven-shard hazard."""
+    shards = [n for n in ast.walk(pf.tree) if _is_shard(pf, n) and not _evened(pf, _base(n))]
+    for shard in shards:
+        names = _derived(pf, {id(shard)})
+        for loop in ast.walk(pf.tree):
+            if not isinstance(loop, (ast.For, ast.AsyncFor)):
+                continue
+            iterated = {n.id for n in ast.walk(loop.iter) if isinstance(n, ast.Name)}
+            direct = any(n is shard for n in ast.walk(loop.iter))
+            if not (direct or iterated & names) or _inside_join(pf, loop):
+                continue
+            syncs = sync_points(pf, loop)
+            if syncs:
+                yield shard, loop, syncs[0][1]
+                break
