@@ -61,7 +61,7 @@ REQUIRED_FIELDS = ("id", "title", "category", "role")
 DOC_FIELDS = ("layer", "explanation", "fix", "misdiagnosis", "references")
 KNOWN_FIELDS = frozenset(REQUIRED_FIELDS + DOC_FIELDS + (
     "patterns", "severity", "priority", "aliases", "status", "engine", "examples",
-    "counterexamples", "derived",
+    "counterexamples", "derived", "teardown",
 ))
 
 
@@ -100,6 +100,7 @@ class Rule:
     examples: tuple[Example, ...] = ()
     counterexamples: tuple[Example, ...] = ()
     derived: bool = False  # no patterns: produced by the analysis (e.g. hang.no_progress)
+    teardown: bool = False  # the launcher tearing the job down (SIGTERM to survivors, summary)
     path: str = ""
 
     @property
@@ -142,6 +143,7 @@ class Rule:
             examples=_examples(data, "examples"),
             counterexamples=_examples(data, "counterexamples"),
             derived=derived,
+            teardown=bool(data.get("teardown", False)),
             path=path,
         )
 
@@ -150,7 +152,7 @@ class Rule:
         return {
             "id": self.id, "title": self.title, "category": self.category.value,
             "layer": self.layer.value if self.layer else None, "role": self.role.value,
-            "severity": self.severity.value, "priority": self.priority,
+            "severity": self.severity.value, "priority": self.priority, "teardown": self.teardown,
             "aliases": list(self.aliases), "status": self.status, "patterns": list(self.patterns),
             "explanation": self.explanation, "fix": self.fix, "misdiagnosis": self.misdiagnosis,
             "references": list(self.references), "path": self.path,

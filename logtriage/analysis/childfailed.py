@@ -1,0 +1,103 @@
+"""Parse torchelastic's ChildFailedError block into entries (rank, exit code, signal, pid, time).
+
+The block's own "Root Cause" is a heuristic (earliest failure at 1-second resolution, ties to
+the lowest local rank) and is often wrong; it is kept as one piece of evidence."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from logtriage.analysis.timestamps import Stamp, parse_cfe_time
+
+_ENTRY = re.compile(r"^\[(\d+)\]:\s*$")
+_FIELD = re.compile(r"^\s{1,4}(time|host|rank|exitcode|error_file|traceback)\s*: ?(.*)$")
+_RANK = re.compile(r"(\d+) \(local_rank: (\d+)\)")
+_EXIT = re.compile(r"(-?\d+) \(pid: (\d+)\)(?:\s+\((SIG\w+)\))?")
+
+
+@dataclass(frozen=True)
+class ChildFailure:
+    index: int
+    rank: int | None
+    local_rank: int | None
+    exitcode: int | None
+    pid: int | None
+    signal: str | None
+    time: Stamp | None
+    traceback: str
+    is_root_cause: bool
+    source: int
+    line: int            # the entry's `exitcode` line (or its `[i]:` line)
+
+
+def parse_child_failures(launcher_lines: list[tuple[int, int, str]]) -> list[ChildFailure]:
+    """Entries of every ChildFailedError block (the last attempt's is last)."""
+    entries: list[ChildFailure] = []
+    in_root = False
+    current: dict | None = None
+    for source, number, text in launcher_lines:
+        if "ChildFailedError" in text and text.rstrip().endswith(":"):
+            in_root = False
+        if text.startswith("Root Cause"):
+            _flush(current, entries)
+            current = None
+            in_root = True
+            continue
+        if text.startswith("Failures:"):
+            in_root = False
+            continue
+        m = _ENTRY.match(text)
+        if m:
+            _flush(current, entries)
+            current = {"index": int(m.group(1)), "root": in_root, "source": source, "line": number}
+            continue
+        if current is None:
+            continue
+        m = _FIELD.match(text)
+        if not m:
+            continue
+        name, value = m.group(1), m.group(2).rstrip()
+        if name == "rank":
+            r = _RANK.match(value)
+            if r:
+                current["rank"], current["local_rank"] = int(r.group(1)), int(r.group(2))
+        elif name == "exitcode":
+            e = _EXIT.match(value)
+            if e:
+                current["exitcode"], current["pid"] = int(e.group(1)), int(e.group(2))
+                current["signal"] = e.group(3)
+                current["line"] = number
+        elif name == "time":
+            current["time"] = parse_cfe_time(value)
+        elif name == "traceback":
+            current["traceback"] = value
+            _flush(current, entries)
+            current = None
+    _flush(current, entries)
+    return entries
+
+
+def _flush(current: dict | None, entries: list[ChildFailure]) -> None:
+    if current is None or "exitcode" not in current:
+        return
+    entries.append(ChildFailure(
+        index=current["index"], rank=current.get("rank"), local_rank=current.get("local_rank"),
+        exitcode=current.get("exitcode"), pid=current.get("pid"), signal=current.get("signal"),
+        time=current.get("time"), traceback=current.get("traceback", ""), is_root_cause=current["root"],
+        source=current["source"], line=current["line"]))
+
+
+SIGNALS = {1: "SIGHUP", 2: "SIGINT", 3: "SIGQUIT", 4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE",
+           9: "SIGKILL", 11: "SIGSEGV", 13: "SIGPIPE", 15: "SIGTERM"}
+
+
+def signal_name(exitcode: int | None) -> str | None:
+    """-9 -> SIGKILL; also shells' 128+N codes (137 -> SIGKILL)."""
+    if exitcode is None:
+        return None
+    if exitcode < 0:
+        return SIGNALS.get(-exitcode, f"signal {-exitcode}")
+    if 128 < exitcode < 160 and exitcode - 128 in SIGNALS:
+        return SIGNALS[exitcode - 128]
+    return None

@@ -1,0 +1,173 @@
+"""From a scan to a diagnosis: streams resolved, findings attributed, the root cause chosen,
+ranks given a status. Pure data in, pure data out (no rendering, no I/O)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from logtriage.analysis.childfailed import ChildFailure, parse_child_failures
+from logtriage.analysis.environment import Environment, collect_environment
+from logtriage.analysis.findings import Finding, resolve_findings
+from logtriage.analysis.rootcause import (ChainLink, ChainRole, RankFacts, RootCause, Verdict, build_chain,
+                                          choose_root)
+from logtriage.catalog.loader import Catalog
+from logtriage.catalog.rule import Category, Role, Rule
+from logtriage.demux.streams import StreamKey, StreamKind
+from logtriage.scan import ScanResult, SlotStats
+
+
+@dataclass(frozen=True)
+class StreamSummary:
+    key: StreamKey
+    lines: int
+    first_error: Finding | None
+    last_step: int | None
+    last_step_line: tuple[int, int] | None
+    status: str                      # ok | failed | hung | killed | unknown
+    role: str                        # root | cascade | teardown | none
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    verdict: Verdict
+    root: RootCause | None
+    chain: tuple[ChainLink, ...]
+    findings: tuple[Finding, ...]
+    streams: tuple[StreamSummary, ...]
+    keys: tuple[StreamKey, ...]                 # slot -> stream
+    failures: tuple[ChildFailure, ...]
+    environment: Environment
+    notes: tuple[str, ...]
+
+
+def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
+    keys = scan.slots.resolve(scan.facts.pid_to_rank(), scan.facts.attempt_of_segment)
+    failures = parse_child_failures(scan.launcher_lines)
+    findings = resolve_findings(scan, keys, failures)
+    stream_stats = _merge_stats(scan, keys)
+    facts = _rank_facts(stream_stats, failures, findings, scan.world_size)
+    root = choose_root(findings, facts)
+    notes: list[str] = []
+    verdict = Verdict.FAILED if root is not None else Verdict.OK
+    if root is not None and root.rule.category is Category.HANG:
+        verdict = Verdict.HUNG
+    if root is None:
+        root = _hang_from_progress(facts, catalog)
+        if root is not None:
+            verdict = Verdict.HUNG
+    if root is None and failures:
+        root = _exit_only_root(failures, catalog)
+        verdict = Verdict.FAILED if root else verdict
+    chain = build_chain(root, findings)
+    notes += _child_failed_notes(failures, root)
+    env = collect_environment(scan.probes, scan.banner_lines, [s.name for s in scan.sources])
+    streams = _summaries(stream_stats, findings, root, chain, verdict, failures)
+    return Diagnosis(verdict, root, chain, tuple(findings), streams, tuple(keys), tuple(failures), env, tuple(notes))
+
+
+def _merge_stats(scan: ScanResult, keys: list[StreamKey]) -> dict[StreamKey, SlotStats]:
+    merged: dict[StreamKey, SlotStats] = {}
+    for slot, stats in scan.stats.items():
+        key = keys[scan.slots.final(slot)]
+        into = merged.setdefault(key, SlotStats())
+        into.lines += stats.lines
+        if stats.first_line and (into.first_line is None or stats.first_line < into.first_line):
+            into.first_line = stats.first_line
+        if stats.last_step_line and (into.last_step_line is None or stats.last_step_line > into.last_step_line):
+            into.last_step, into.last_step_line, into.last_step_text = stats.last_step, stats.last_step_line, stats.last_step_text
+    return merged
+
+
+def _rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure], findings: list[Finding],
+                world_size: int | None) -> RankFacts:
+    known = {k.rank for k in stats if k.kind is StreamKind.RANK}
+    known |= {f.rank for f in failures if f.rank is not None}
+    known |= {f.rank for f in findings if f.rank is not None}
+    if world_size and world_size <= 65536 and (not known or max(known) < world_size):
+        known |= set(range(world_size))
+    exit_codes = {f.rank: f.exitcode for f in failures if f.rank is not None and f.exitcode is not None}
+    completed: set[int] = set()
+    if failures:
+        failed = {f.rank for f in failures}
+        errored = {f.rank for f in findings if f.is_error and not f.is_teardown}
+        completed = known - failed - errored
+    last_step: dict[int, int] = {}
+    for key, s in stats.items():
+        if key.kind is StreamKind.RANK and s.last_step is not None:
+            last_step[key.rank] = s.last_step
+    return RankFacts(frozenset(known), exit_codes, frozenset(completed), last_step)
+
+
+def _hang_from_progress(facts: RankFacts, catalog: Catalog) -> RootCause | None:
+    """No error at all, but the ranks' progress stopped unevenly: some rank is stuck."""
+    steps = facts.last_step
+    if len(steps) < 2:
+        return None
+    low, high = min(steps.values()), max(steps.values())
+    if high - low < 2:
+        return None
+    behind = tuple(sorted(r for r, s in steps.items() if s == low))
+    rule = catalog.get("hang.no_progress") or _fallback_rule("hang.no_progress", Category.HANG,
+                                                            "Output stopped: no error, ranks' progress diverged")
+    return RootCause(rule, None, behind[0] if len(behind) == 1 else None, behind, 0.45, (
+        f"no error line; rank(s) {', '.join(map(str, behind))} stopped at step {low} while others reached step {high}",))
+
+
+def _exit_only_root(failures: list[ChildFailure], catalog: Catalog) -> RootCause | None:
+    own = [f for f in failures if f.exitcode not in (0, -15)]
+    if not own:
+        return None
+    first = next((f for f in own if f.is_root_cause), own[0])
+    rule = catalog.get("signal.exit_nonzero") or _fallback_rule("signal.exit_nonzero", Category.UNKNOWN,
+                                                               "A worker exited with an error code and left no message")
+    return RootCause(rule, None, first.rank, (first.rank,) if first.rank is not None else (), 0.3,
+                     (f"rank {first.rank} exited with code {first.exitcode}; its output holds no error",))
+
+
+def _fallback_rule(rule_id: str, category: Category, title: str) -> Rule:
+    return Rule(id=rule_id, title=title, category=category, role=Role.ROOT_CANDIDATE, patterns=(), derived=True)
+
+
+def _child_failed_notes(failures: list[ChildFailure], root: RootCause | None) -> list[str]:
+    named = [f for f in failures if f.is_root_cause]
+    if not named or root is None:
+        return []
+    entry = named[-1]
+    what = f"exit code {entry.exitcode}" + (f" ({entry.signal})" if entry.signal else "")
+    if root.rank is not None and entry.rank is not None and entry.rank != root.rank:
+        return [f"torchelastic's summary names rank {entry.rank} ({what}) as the root cause; the evidence "
+                f"points at rank {root.rank}: its summary picks the earliest exit at 1-second resolution"]
+    return [f"torchelastic's summary names rank {entry.rank} ({what}) as the root cause"]
+
+
+def _summaries(stats, findings, root, chain, verdict, failures) -> tuple[StreamSummary, ...]:
+    first_error: dict[StreamKey, Finding] = {}
+    for f in findings:
+        if f.is_error and not f.is_teardown:
+            key = f.stream if f.stream.kind is StreamKind.RANK or f.rank is None else StreamKey(StreamKind.RANK, f.rank, f.stream.attempt)
+            first_error.setdefault(key, f)
+    root_ranks = set(root.ranks) if root else set()
+    cascade_ranks = {r for link in chain if link.role is ChainRole.CASCADE for r in link.ranks}
+    exit_by_rank = {f.rank: f.exitcode for f in failures if f.rank is not None}
+    out = []
+    keys = set(stats) | {k for k in first_error if k.kind is StreamKind.RANK}
+    for key in sorted(keys):
+        s = stats.get(key, SlotStats())
+        err = first_error.get(key)
+        status, role = "ok", "none"
+        if key.kind is StreamKind.RANK:
+            code = exit_by_rank.get(key.rank)
+            if key.rank in root_ranks:
+                status, role = ("hung" if verdict is Verdict.HUNG else "failed"), "root"
+            elif err is not None or key.rank in cascade_ranks:
+                status, role = "failed", "cascade"
+            elif code in (-15, -9) or code == 143:
+                status, role = "killed", "teardown"
+            elif verdict is Verdict.HUNG:
+                status = "hung"
+            elif code not in (None, 0):
+                status = "failed"
+        elif err is not None:
+            status = "failed"
+        out.append(StreamSummary(key, s.lines, err, s.last_step, s.last_step_line, status, role))
+    return tuple(out)

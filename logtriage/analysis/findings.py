@@ -1,0 +1,149 @@
+"""Findings: rule hits resolved to their final stream and rank.
+
+Three attributions happen here, after the whole input was read:
+- slots become streams (pid -> rank, segment -> attempt, bare blocks -> owners);
+- a launcher line about one worker (a ChildFailedError entry, `failed (exitcode: ...) local_rank:`,
+  `ProcessExitedException: process 1 ...`, srun `task 3`) is about that worker's rank;
+- an unattributed native crash (`Fatal Python error: Segmentation fault`) belongs to the one
+  rank the launcher saw die of that signal."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+from logtriage.analysis.childfailed import ChildFailure, signal_name
+from logtriage.analysis.timestamps import Stamp
+from logtriage.catalog.rule import Category, Role, Rule, Severity
+from logtriage.demux.streams import StreamKey, StreamKind
+from logtriage.scan import Hit, ScanResult
+
+# Exception types that are consequences of another failure, not causes, when nothing more
+# specific matched their line.
+CASCADE_EXCEPTION_TYPES = frozenset({
+    "DistBackendError", "DistNetworkError", "DistStoreError", "DistError", "ChildFailedError",
+    "SignalException", "KeyboardInterrupt", "BrokenPipeError", "ConnectionResetError",
+    "ConnectionRefusedError", "ProcessExitedException", "ProcessRaisedException", "SystemExit",
+})
+_SIGNAL_RULES = {"SIGSEGV": "signal.sigsegv", "SIGABRT": "signal.sigabrt", "SIGBUS": "signal.sigbus",
+                 "SIGKILL": "signal.sigkill", "SIGTERM": "signal.sigterm"}
+_MASK = re.compile(r"0x[0-9a-fA-F]+|\d+")
+
+
+@dataclass(frozen=True)
+class Finding:
+    rule: Rule
+    captures: Mapping[str, str]
+    source: int
+    line: int
+    stream: StreamKey
+    rank: int | None
+    text: str
+    block_id: int
+    seq: int
+    stamp: Stamp | None
+    attributed_by: str = "stream"     # stream | launcher | capture | signal | exit
+
+    @property
+    def role(self) -> Role:
+        if self.rule.id == "python.exception" and self.exception_type in CASCADE_EXCEPTION_TYPES:
+            return Role.EITHER
+        return self.rule.role
+
+    @property
+    def category(self) -> Category:
+        return self.rule.category
+
+    @property
+    def is_error(self) -> bool:
+        return self.rule.severity is Severity.ERROR and self.rule.role is not Role.CONTEXT
+
+    @property
+    def is_teardown(self) -> bool:
+        return self.rule.teardown
+
+    @property
+    def exception_type(self) -> str | None:
+        value = self.captures.get("exception_type")
+        return value.rsplit(".", 1)[-1] if value else None
+
+    @property
+    def signature(self) -> str:
+        """What identical errors on several ranks share: rule and text with numbers masked."""
+        return f"{self.rule.id}|{_MASK.sub('#', self.text)}"
+
+
+def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[ChildFailure]) -> list[Finding]:
+    """Primary hit per line part, resolved to streams and ranks."""
+    primary: dict[int, Hit] = {}
+    extra: list[Hit] = []
+    for hit in scan.hits:
+        best = primary.get(hit.seq)
+        if best is None:
+            primary[hit.seq] = hit
+        elif hit.rule.role is Role.CAUSE_CONFIRMATION:
+            extra.append(hit)
+    local_to_rank = {f.local_rank: f.rank for f in failures if f.local_rank is not None and f.rank is not None}
+    entry_rank = {(f.source, f.line): f.rank for f in failures}
+    entry_time = {(f.source, f.line): f.time for f in failures}
+    findings = []
+    for hit in sorted([*primary.values(), *extra], key=lambda h: h.seq):
+        stream = keys[scan.slots.final(hit.slot)]
+        rank, how = stream.rank_or_none, "stream"
+        stamp = hit.stamp
+        if stream.kind is StreamKind.LAUNCHER:
+            rank, how = _launcher_rank(hit, entry_rank, local_to_rank)
+            stamp = entry_time.get((hit.source, hit.line)) or stamp
+        if "rank" in hit.captures and hit.captures["rank"].isdigit():
+            rank, how = int(hit.captures["rank"]), "capture"
+        findings.append(Finding(hit.rule, hit.captures, hit.source, hit.line, stream, rank, hit.text,
+                                hit.block_id, hit.seq, stamp, how))
+    findings = _best_per_traceback(findings, scan.block_kinds)
+    return attribute_by_signal(findings, failures)
+
+
+def _best_per_traceback(findings: list[Finding], block_kinds: dict[int, str]) -> list[Finding]:
+    """A traceback is one event: keep its most specific error finding (a `Missing key(s)` line
+    explains the generic `RuntimeError: Error(s) in loading state_dict` line above it)."""
+    best: dict[int, int] = {}
+    for f in findings:
+        if f.block_id >= 0 and f.is_error and block_kinds.get(f.block_id) == "traceback":
+            best[f.block_id] = max(best.get(f.block_id, -1), f.rule.priority)
+    return [f for f in findings
+            if not (f.block_id in best and f.is_error and f.rule.priority < best[f.block_id])]
+
+
+def _launcher_rank(hit: Hit, entry_rank: dict, local_to_rank: dict) -> tuple[int | None, str]:
+    if (hit.source, hit.line) in entry_rank:
+        return entry_rank[(hit.source, hit.line)], "launcher"
+    for name in ("local_rank", "process", "task"):
+        value = hit.captures.get(name)
+        if value is not None and value.isdigit():
+            local = int(value)
+            return local_to_rank.get(local, local), "launcher"
+    return None, "stream"
+
+
+def attribute_by_signal(findings: list[Finding], failures: list[ChildFailure]) -> list[Finding]:
+    """Give an unattributed signal finding the rank of the one worker that died of that signal."""
+    by_signal: dict[str, set[int]] = {}
+    for failure in failures:
+        name = failure.signal or signal_name(failure.exitcode)
+        if name and failure.rank is not None:
+            by_signal.setdefault(name, set()).add(failure.rank)
+    for finding in findings:
+        if finding.rank is None:
+            continue
+        for name, rule_id in _SIGNAL_RULES.items():
+            if finding.rule.id == rule_id:
+                by_signal.setdefault(name, set()).add(finding.rank)
+    out = []
+    for finding in findings:
+        if finding.rank is None and finding.stream.kind is StreamKind.UNATTRIBUTED:
+            for name, rule_id in _SIGNAL_RULES.items():
+                ranks = by_signal.get(name, set())
+                if finding.rule.id == rule_id and len(ranks) == 1:
+                    finding = replace(finding, rank=next(iter(ranks)), attributed_by="signal")
+        out.append(finding)
+    return out

@@ -1,0 +1,202 @@
+"""Pick the initiating failure and label the rest as cascade or teardown.
+
+Evidence is ordered by timestamps where two lines carry comparable ones, else by input order.
+The initiating failure is the earliest root candidate (a rank's own error: an exception, an OOM,
+a segfault); the same error on several ranks is one root with a rank set. Without a root
+candidate, "either" evidence decides (a SIGABRT, an NCCL system error, a bare exit code). With
+only consequences left, collective timeouts point at the rank that is missing from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from logtriage.analysis.findings import Finding
+from logtriage.analysis.timestamps import clearly_before
+from logtriage.catalog.rule import Category, Role, Rule
+
+
+class Verdict(str, Enum):
+    FAILED = "failed"
+    HUNG = "hung"
+    OK = "ok"
+
+
+class ChainRole(str, Enum):
+    INITIATING = "initiating"
+    CASCADE = "cascade"
+    TEARDOWN = "teardown"
+
+
+@dataclass(frozen=True)
+class RootCause:
+    rule: Rule
+    finding: Finding | None          # None when derived from facts (a hang, ranks' progress)
+    rank: int | None
+    ranks: tuple[int, ...]
+    confidence: float
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChainLink:
+    rule: Rule
+    role: ChainRole
+    ranks: tuple[int, ...]
+    first: Finding
+    count: int
+
+
+@dataclass(frozen=True)
+class RankFacts:
+    """What the analysis knows about the ranks beyond findings."""
+    known: frozenset[int]
+    exit_codes: dict[int, int] = field(default_factory=dict)      # rank -> worker exit code
+    completed: frozenset[int] = frozenset()                        # ranks that exited 0
+    last_step: dict[int, int] = field(default_factory=dict)
+
+
+def earliest(findings: list[Finding]) -> Finding:
+    best = findings[0]
+    for candidate in findings[1:]:
+        order = clearly_before(candidate.stamp, best.stamp)
+        if order is True or (order is None and candidate.seq < best.seq and not _stamp_says_later(candidate, best)):
+            best = candidate
+    return best
+
+
+def _stamp_says_later(a: Finding, b: Finding) -> bool:
+    return clearly_before(b.stamp, a.stamp) is True
+
+
+def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
+    live = [f for f in findings if f.is_error and not f.is_teardown]
+    roots = [f for f in live if f.role is Role.ROOT_CANDIDATE]
+    if roots:
+        return _group_root(roots, live, facts, 0.9)
+    either = [f for f in live if f.role is Role.EITHER]
+    if either:
+        specific = [f for f in either if f.rule.id != "signal.exit_nonzero"] or either
+        confidence = 0.6 if specific[0].rule.id != "signal.exit_nonzero" else 0.35
+        return _group_root(specific, live, facts, confidence)
+    timeouts = [f for f in live if f.category is Category.COLLECTIVE_TIMEOUT]
+    if timeouts:
+        return _missing_rank_root(timeouts, live, facts)
+    cascade = [f for f in live if f.role is Role.CASCADE_CANDIDATE]
+    if cascade:
+        first = earliest(cascade)
+        ranks = _ranks(f for f in cascade if f.signature == first.signature)
+        return RootCause(first.rule, first, first.rank, ranks, 0.3,
+                         ("only consequences were found; the initiating error is not in this log",))
+    return None
+
+
+def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts, confidence: float) -> RootCause:
+    first = earliest(candidates)
+    group = [f for f in candidates if f.signature == first.signature]
+    ranks = _ranks(group)
+    reasons = []
+    rank = first.rank
+    if len(ranks) > 1:
+        reasons.append(f"the same error on {len(ranks)} ranks: a code or data bug shared by all")
+        rank = _refine_rank(first, live, ranks) if _refine_rank(first, live, ranks) is not None else min(ranks)
+    elif rank is None:
+        rank = _rank_from_exit_codes(facts)
+        if rank is not None:
+            ranks = (rank,)
+            reasons.append(f"rank {rank} is the only worker that failed with its own exit code")
+            confidence -= 0.15
+    culprit = _culprit(live)
+    if culprit is not None and first.category in (Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR,
+                                                  Category.COLLECTIVE_MISMATCH):
+        rank, ranks = culprit, (culprit,)
+        reasons.append(f"a debug report names rank {culprit} as the one that lagged or differed")
+    return RootCause(first.rule, first, rank, ranks, confidence, tuple(reasons))
+
+
+def _refine_rank(first: Finding, live: list[Finding], ranks: tuple[int, ...]) -> int | None:
+    """Among ranks sharing one error, an earlier single-rank sign of the same kind names the
+    culprit (e.g. the rank whose loss went NaN first before every rank's grad-norm check failed)."""
+    signs = [f for f in live if f.category is first.category and f.rank is not None
+             and f.signature != first.signature and f.role is not Role.CASCADE_CANDIDATE]
+    if not signs:
+        return None
+    return earliest(signs).rank
+
+
+def _culprit(live: list[Finding]) -> int | None:
+    for finding in live:
+        value = finding.captures.get("culprit_rank")
+        if value and value.isdigit():
+            return int(value)
+    return None
+
+
+def _rank_from_exit_codes(facts: RankFacts) -> int | None:
+    own = [r for r, code in facts.exit_codes.items() if code not in (0, -15, 143)]
+    return own[0] if len(own) == 1 else None
+
+
+def _missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankFacts) -> RootCause:
+    first = earliest(timeouts)
+    timed_out = {f.rank for f in timeouts if f.rank is not None}
+    missing = sorted(facts.known - timed_out)
+    culprit = _culprit(live)
+    if culprit is not None:
+        return RootCause(first.rule, first, culprit, (culprit,), 0.75,
+                         (f"a debug report names rank {culprit} as the one that lagged",))
+    if len(missing) == 1:
+        only = missing[0]
+        if len(timed_out) == 1 and only in facts.completed:
+            waiter = next(iter(timed_out))
+            return RootCause(first.rule, first, waiter, (waiter,), 0.55, (
+                f"rank {waiter} waited alone in a collective that rank {only} never called: rank {only} "
+                f"finished normally, so the extra collective is on rank {waiter}'s side",))
+        return RootCause(first.rule, first, only, (only,), 0.65, (
+            f"every rank but {only} timed out in a collective: rank {only} never joined it",))
+    if missing:
+        return RootCause(first.rule, first, missing[0], tuple(missing), 0.5, (
+            f"ranks {', '.join(map(str, missing))} never joined the collective the others timed out in",))
+    behind = _behind(facts, timed_out)
+    if behind is not None:
+        return RootCause(first.rule, first, behind, (behind,), 0.4, (
+            f"every rank timed out; rank {behind} was behind the others (lowest last step)",))
+    return RootCause(first.rule, first, None, tuple(sorted(timed_out)), 0.35,
+                     ("every rank timed out and nothing in the log tells them apart",))
+
+
+def _behind(facts: RankFacts, ranks: set[int]) -> int | None:
+    steps = {r: facts.last_step[r] for r in ranks if r in facts.last_step}
+    if len(steps) < 2:
+        return None
+    low = min(steps.values())
+    lowest = [r for r, s in steps.items() if s == low]
+    return lowest[0] if len(lowest) == 1 and max(steps.values()) > low else None
+
+
+def _ranks(findings) -> tuple[int, ...]:
+    return tuple(sorted({f.rank for f in findings if f.rank is not None}))
+
+
+def build_chain(root: RootCause | None, findings: list[Finding]) -> tuple[ChainLink, ...]:
+    links: list[ChainLink] = []
+    root_ranks = set(root.ranks) if root else set()
+    if root is not None and root.finding is not None:
+        group = [f for f in findings if f.signature == root.finding.signature]
+        links.append(ChainLink(root.rule, ChainRole.INITIATING, root.ranks, root.finding, len(group)))
+    grouped: dict[tuple[str, ChainRole], list[Finding]] = {}
+    seen_rank_cascade: set[int] = set()
+    for finding in findings:
+        if not finding.is_error or (root and root.finding is not None and finding.signature == root.finding.signature):
+            continue
+        if finding.is_teardown:
+            grouped.setdefault((finding.rule.id, ChainRole.TEARDOWN), []).append(finding)
+            continue
+        if finding.rank is not None and (finding.rank in seen_rank_cascade or finding.rank in root_ranks):
+            continue
+        if finding.rank is not None:
+            seen_rank_cascade.add(finding.rank)
+        grouped.setdefault((finding.rule.id, ChainRole.CASCADE), []).append(finding)
+    for (_, role), group in sorted(grouped.items(), key=lambda kv: (kv[0][1] is ChainRole.TEARDOWN, kv[1][0].seq)):
+        links.append(ChainLink(group[0].rule, role, _ranks(group), group[0], len(group)))
+    return tuple(links)

@@ -1,0 +1,71 @@
+"""Library entry point: triage(inputs) -> Report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from logtriage.analysis.diagnose import Diagnosis, diagnose
+from logtriage.catalog.loader import Catalog, load_catalog
+from logtriage.catalog.matcher import Matcher
+from logtriage.errors import CatalogError
+from logtriage.ingest.sources import discover
+from logtriage.report.build import build_report
+from logtriage.report.model import Report
+from logtriage.scan import ScanResult, scan
+
+
+@dataclass(frozen=True)
+class TriageOptions:
+    patterns_dirs: tuple[str, ...] = ()
+    strict_catalog: bool = False          # a broken user rule stops the run instead of a warning
+    redact: bool = True
+    redact_extra: tuple[str, ...] = ()    # optional maskings: "hosts", "paths", "ips"
+    progress: Callable[[int], None] | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class TriageRun:
+    """Everything one triage produced, for front ends that need more than the report (the TUI)."""
+    report: Report
+    scan: ScanResult
+    diagnosis: Diagnosis
+    catalog: Catalog
+
+
+_CATALOG_CACHE: dict[tuple, Catalog] = {}
+
+
+def get_catalog(patterns_dirs: Iterable[str] = ()) -> Catalog:
+    key = tuple(patterns_dirs)
+    if key not in _CATALOG_CACHE:
+        _CATALOG_CACHE[key] = load_catalog(key)
+    return _CATALOG_CACHE[key]
+
+
+def run_triage(inputs: Sequence[str], options: TriageOptions = TriageOptions()) -> TriageRun:
+    catalog = get_catalog(options.patterns_dirs)
+    if options.strict_catalog and catalog.problems:
+        raise CatalogError(list(catalog.problems))
+    discovery = discover(inputs)
+    result = scan(discovery.sources, Matcher(catalog), options.progress)
+    result.problems[:0] = [f"skipped {s}" for s in discovery.skipped] + [f"rule problem: {p}" for p in catalog.problems]
+    diag = diagnose(result, catalog)
+    redactor, info = _redactor(options)
+    report = build_report(result, diag, redactor, info)
+    return TriageRun(report, result, diag, catalog)
+
+
+def triage(inputs: Sequence[str], options: TriageOptions = TriageOptions()) -> Report:
+    return run_triage(inputs, options).report
+
+
+def _redactor(options: TriageOptions) -> tuple[Callable[[str], str], dict]:
+    if not options.redact:
+        return (lambda s: s), {"enabled": False}
+    try:
+        from logtriage.redact import Redactor
+    except ImportError:
+        return (lambda s: s), {"enabled": False, "note": "redaction module not available"}
+    redactor = Redactor(extra=options.redact_extra)
+    return redactor.redact, {"enabled": True, "extra": list(options.redact_extra)}

@@ -1,0 +1,240 @@
+"""Assign every physical line to exactly one slot (see streams.py), one line at a time.
+
+Order of evidence for a line: an explicit prefix (srun, MPI, tee, template, excepthook, C++)
+> the open multi-line block it continues > the launcher's own line shapes > a probe line >
+a container banner > a rank marker in the text (`[Rank 3]`, `rank=3`) > a worker pid named in
+a py-glog header > unattributed. Empty lines follow the block or line they sit in."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from logtriage.demux import blocks as B
+from logtriage.demux import launcher as L
+from logtriage.demux.prefixes import Dialect, strip_prefixes
+from logtriage.demux.split import split_glued
+from logtriage.demux.streams import SlotTable, StreamKind
+
+PROBE = re.compile(r"^([A-Z][A-Z0-9_]*_JSON)=(.*)$")
+_RANK_MARKERS = (
+    re.compile(r"\[\s*(?:global[_ ])?rank\s*[:=#]?\s*(\d{1,9})\s*(?:/\s*\d+\s*)?\]", re.IGNORECASE),
+    re.compile(r"(?:^|[\s,(|])(?:global_)?rank\s*[=:]\s*(\d{1,9})\b", re.IGNORECASE),
+    re.compile(r"^\s*rank\s*(\d{1,9})\s*[:|\]]", re.IGNORECASE),
+)
+_ERROR_RECORD = re.compile(r"\b(?:ERROR|CRITICAL|FATAL|Exception|exception)\b")
+_LAUNCHER_FRAME = re.compile(
+    r'File "[^"]*(?:bin/torchrun|distributed/run\.py|distributed/launch\.py|launcher/api\.py'
+    r'|elastic/agent/server/|multiprocessing/spawn\.py"(?:, line \d+, in (?:start_processes|spawn|join)))')
+_LAUNCHER_EXCEPTIONS = re.compile(r"(?:ChildFailedError|SignalException|RendezvousConnectionError|"
+                                  r"RendezvousTimeoutError|RendezvousClosedError|ProcessRaisedException|"
+                                  r"ProcessExitedException)\b")
+
+
+def find_rank_marker(text: str) -> int | None:
+    head = text[:120]
+    for pattern in _RANK_MARKERS:
+        m = pattern.search(head)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+@dataclass
+class Block:
+    kind: B.BlockKind
+    slot: int
+    block_id: int
+    bare: bool                       # owner decided at the end (slot is a BLOCK slot)
+    state: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    slot: int
+    text: str                        # message with prefixes stripped
+    block_id: int                    # -1 outside blocks
+
+
+class Assigner:
+    """Stateful per input run; call feed() for each cleaned line, then close()."""
+
+    def __init__(self, slots: SlotTable, facts: L.LauncherFacts, dialect: Dialect,
+                 rank_hint: int | None = None, attempt_hint: int | None = None):
+        self.slots, self.facts, self.dialect = slots, facts, dialect
+        self.rank_hint, self.attempt_hint = rank_hint, attempt_hint
+        self.block: Block | None = None
+        self.block_count = 0
+        self.last_slot = slots.fixed(StreamKind.UNATTRIBUTED)
+        self.error_record_slot: int | None = None
+        self.spawn_rank: int | None = None
+        self.pending_rule: int | None = None
+        self.blocks: dict[int, tuple[B.BlockKind, int]] = {}   # block id -> (kind, slot)
+
+    # -- public -------------------------------------------------------------------------------
+    def feed(self, line: str) -> list[Part]:
+        pieces = split_glued(line)
+        parts = [self._assign(pieces[0])]
+        for piece in pieces[1:]:
+            parts.append(self._assign(piece))
+        return parts
+
+    def close(self) -> None:
+        self._close_block()
+        self._settle_pending_rule(None)
+
+    # -- one piece ----------------------------------------------------------------------------
+    def _assign(self, line: str) -> Part:
+        p = strip_prefixes(line, self.dialect)
+        text = p.text
+        self._settle_pending_rule(text)
+        rank = p.rank if p.rank is not None else p.local_rank
+        if rank is None and self.rank_hint is not None:
+            rank = self.rank_hint
+        explicit_slot = self._rank_slot(rank, p.host or "") if rank is not None else None
+
+        block = self.block
+        if block is not None:
+            same_owner = explicit_slot is None or explicit_slot == block.slot
+            if same_owner and B.continues(block.kind, text, block.state):
+                self._watch_block_line(block, text)
+                return self._part(block.slot, text, block.block_id)
+            self._close_block()
+            if self.block is not None:  # a traceback that turned into a ChildFailedError block
+                if B.continues(self.block.kind, text, self.block.state):
+                    return self._part(self.block.slot, text, self.block.block_id)
+                self._close_block()
+
+        if explicit_slot is not None:
+            return self._open_or_plain(explicit_slot, text, bare=False)
+        return self._unprefixed(text)
+
+    def _unprefixed(self, text: str) -> Part:
+        slots = self.slots
+        if not text.strip():
+            return self._part(self.last_slot, text)
+        launcher = slots.fixed(StreamKind.LAUNCHER)
+        glog = L.py_glog_pid(text)
+        if glog is not None:
+            pid, path = glog
+            if L.is_launcher_path(path) or pid in self.facts.launcher_pids or not self.facts.launcher_pids:
+                self.facts.launcher_pids.add(pid)
+                self.facts.observe(text)
+                return self._part(launcher, text)
+            return self._part(slots.pid(pid, self.facts.segment), text)
+        if L.CFE_START.search(text):
+            return self._open(B.BlockKind.CHILD_FAILED, launcher, text, bare=False)
+        if L.is_launch_future_warning(text):
+            return self._open(B.BlockKind.WARNING, launcher, text, bare=False)
+        if L.is_shell_or_scheduler(text):
+            self.facts.observe(text)
+            return self._part(launcher, text)
+        m = L.SPAWN_CHILD.match(text)
+        if m:
+            self.spawn_rank = int(m.group(1))
+            return self._part(launcher, text)
+        if PROBE.match(text):
+            return self._part(slots.fixed(StreamKind.PROBE), text)
+        if B.BANNER_TITLE.match(text):
+            return self._open(B.BlockKind.BANNER, slots.fixed(StreamKind.BANNER), text, bare=False)
+        if B.BANNER_RULE.match(text):
+            self.pending_rule = slots.new_block()
+            return self._part(self.pending_rule, text)
+        marker = find_rank_marker(text)
+        if B.TRACEBACK_START.match(text):
+            return self._open(B.BlockKind.TRACEBACK, slots.new_block(), text, bare=True)
+        slot = self._rank_slot(marker, "") if marker is not None else slots.fixed(StreamKind.UNATTRIBUTED)
+        part = self._open_or_plain(slot, text, bare=False)
+        if marker is not None and _ERROR_RECORD.search(text):
+            self.error_record_slot = slot
+        return part
+
+    def _open_or_plain(self, slot: int, text: str, bare: bool) -> Part:
+        kind = _block_start(text)
+        if kind is not None:
+            return self._open(kind, slot, text, bare)
+        if text.strip():
+            self.error_record_slot = slot if _ERROR_RECORD.search(text) else None
+        return self._part(slot, text)
+
+    # -- blocks -------------------------------------------------------------------------------
+    def _open(self, kind: B.BlockKind, slot: int, text: str, bare: bool) -> Part:
+        self.block_count += 1
+        block = Block(kind, slot, self.block_count, bare)
+        if kind is B.BlockKind.TRACEBACK:
+            block.state["owner_hint"] = self.error_record_slot
+        self.block = block
+        self.blocks[block.block_id] = (kind, slot)
+        return self._part(slot, text, block.block_id)
+
+    def _watch_block_line(self, block: Block, text: str) -> None:
+        if block.kind is B.BlockKind.TRACEBACK and block.bare and _LAUNCHER_FRAME.search(text):
+            block.state["launcher"] = True
+        if block.kind is B.BlockKind.CHILD_FAILED:
+            self.facts.observe(text)
+
+    def _close_block(self) -> None:
+        block, self.block = self.block, None
+        if block is None or block.kind is not B.BlockKind.TRACEBACK:
+            return
+        exception = block.state.get("exception", "")
+        becomes_cfe = bool(L.CFE_START.search(exception))
+        if block.bare:
+            self.slots.redirect[block.slot] = self._bare_owner(block, exception, becomes_cfe)
+        self.error_record_slot = None
+        if becomes_cfe:
+            launcher = self.slots.fixed(StreamKind.LAUNCHER)
+            self.block_count += 1
+            self.block = Block(B.BlockKind.CHILD_FAILED, launcher, self.block_count, False)
+            self.blocks[self.block_count] = (B.BlockKind.CHILD_FAILED, launcher)
+
+    def _bare_owner(self, block: Block, exception: str, becomes_cfe: bool) -> int:
+        slots = self.slots
+        if block.state.get("launcher") or becomes_cfe or _LAUNCHER_EXCEPTIONS.search(exception):
+            return slots.fixed(StreamKind.LAUNCHER)
+        if self.spawn_rank is not None:
+            rank, self.spawn_rank = self.spawn_rank, None
+            return self._rank_slot(rank, "")
+        if block.state.get("owner_hint") is not None:
+            return block.state["owner_hint"]
+        marker = find_rank_marker(exception.split(":", 1)[-1]) if exception else None
+        if marker is not None:
+            return self._rank_slot(marker, "")
+        return slots.fixed(StreamKind.UNATTRIBUTED)
+
+    def _settle_pending_rule(self, text: str | None) -> None:
+        """A bare `=====` line is a banner's top rule if the next line is `== Title ==`."""
+        if self.pending_rule is None:
+            return
+        pending, self.pending_rule = self.pending_rule, None
+        banner = text is not None and B.BANNER_TITLE.match(text)
+        self.slots.redirect[pending] = self.slots.fixed(
+            StreamKind.BANNER if banner else StreamKind.UNATTRIBUTED)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _rank_slot(self, rank: int, host: str) -> int:
+        if self.attempt_hint is not None:
+            return self.slots.rank_attempt(rank, host, self.attempt_hint)
+        return self.slots.rank(rank, host, self.facts.segment)
+
+    def _part(self, slot: int, text: str, block_id: int = -1) -> Part:
+        if text.strip():
+            self.last_slot = slot
+        return Part(slot, text, block_id)
+
+
+def _block_start(text: str) -> B.BlockKind | None:
+    if not text:
+        return None
+    first = text[0]
+    if first == "T" and B.TRACEBACK_START.match(text):
+        return B.BlockKind.TRACEBACK
+    if first == "[" and B.CPP_GLOG.match(text):
+        return B.BlockKind.CPP
+    if first == "F" and B.FAULT_START.match(text):
+        return B.BlockKind.FAULT
+    if first == "t" and B.NATIVE_START.match(text):
+        return B.BlockKind.NATIVE
+    if B.WARNING_START.match(text):
+        return B.BlockKind.WARNING
+    return None

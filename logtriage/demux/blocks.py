@@ -1,0 +1,101 @@
+"""Multi-line blocks and the grammar of their continuation lines.
+
+A block starts with a recognisable first line and continues while lines fit its grammar; every
+line of a block goes to the block's stream. Blocks whose first line carries no rank (a bare
+traceback) get their owner decided when they end (see assigner)."""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+
+class BlockKind(str, Enum):
+    TRACEBACK = "traceback"
+    CPP = "cpp"                # C++ glog message with bare continuation / frame lines
+    CHILD_FAILED = "child_failed"
+    BANNER = "banner"
+    FAULT = "fault"            # faulthandler dump
+    NATIVE = "native"          # terminate called ... / what():
+    WARNING = "warning"        # path:N: XWarning: msg + indented source line
+
+
+TRACEBACK_START = re.compile(r"^Traceback \(most recent call last\):\s*$")
+_CHAIN = re.compile(r"^(?:During handling of the above exception, another exception occurred:"
+                    r"|The above exception was the direct cause of the following exception:)\s*$")
+EXCEPTION_LINE = re.compile(r"^(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)(?::(?: (?P<message>.*))?)?$")
+CPP_GLOG = re.compile(r"^\[([IWEF])(\d{4}) (\d\d:\d\d:\d\d\.\d{3,9})(?: \d+)? ([^ \]]+):(\d+)\] ")
+_CPP_CONT = re.compile(r"^(?:Exception raised from |frame #\d+: |<omitting python frames>|\s)")
+FAULT_START = re.compile(r"^Fatal Python error: ")
+_FAULT_CONT = re.compile(r"^(?:\s|Current thread 0x|Thread 0x|Extension modules: |Python runtime state: "
+                         r"|Stack \(most recent call first\)|\(total: \d+\)|<no Python frame>)")
+NATIVE_START = re.compile(r"^terminate called (?:after throwing an instance of|without an active exception|recursively)")
+_NATIVE_CONT = re.compile(r"^(?:\s+what\(\): |Exception raised from |frame #\d+: |<omitting python frames>|\s)")
+WARNING_START = re.compile(r"^\S.*?:\d+: [A-Z]\w*Warning: ")
+BANNER_TITLE = re.compile(r"^== (.{2,60}) ==\s*$")
+BANNER_RULE = re.compile(r"^={5,}\s*$")
+_BANNER_CONT = re.compile(
+    r"^(?:\s|={5,}|== .* ==|NVIDIA Release |PyTorch Version |Container image |Copyright |All rights reserved"
+    r"|Various files include |This container image |By pulling and using |https?://|NOTE: |WARNING: |ERROR: "
+    r"|NVIDIA |Use the NVIDIA |insufficient |Failed to detect NVIDIA driver|\*)")
+
+
+def continues(kind: BlockKind, text: str, state: dict) -> bool:
+    """Whether `text` (prefixes already stripped) continues an open block of `kind`. `state` is
+    the block's own scratch space (e.g. whether a traceback reached its exception line)."""
+    if kind is BlockKind.TRACEBACK:
+        return _continues_traceback(text, state)
+    if kind is BlockKind.CHILD_FAILED:
+        return _continues_child_failed(text, state)
+    if not text:
+        if kind is BlockKind.CPP:
+            state["ended"] = True
+            return True
+        return kind in (BlockKind.FAULT, BlockKind.BANNER)
+    if state.get("ended"):
+        return False
+    if kind is BlockKind.CPP:
+        return bool(_CPP_CONT.match(text))
+    if kind is BlockKind.FAULT:
+        return bool(_FAULT_CONT.match(text)) or text.startswith("  File ")
+    if kind is BlockKind.NATIVE:
+        return bool(_NATIVE_CONT.match(text))
+    if kind is BlockKind.WARNING:
+        return text.startswith((" ", "\t"))
+    if kind is BlockKind.BANNER:
+        return bool(_BANNER_CONT.match(text))
+    return False
+
+
+def _continues_traceback(text: str, state: dict) -> bool:
+    if not text:
+        state["blank"] = True
+        return True  # blank lines inside messages and between chained tracebacks
+    blank_before = state.pop("blank", False)
+    if TRACEBACK_START.match(text) or _CHAIN.match(text):
+        if state.get("message") and not (blank_before or _CHAIN.match(text)):
+            return False
+        state["message"] = False
+        return True
+    if text[0] in " \t":
+        return True  # frames, source lines, carets, indented message continuation
+    if state.get("message"):
+        return False  # a second unindented line after the exception line: the block is over
+    if not EXCEPTION_LINE.match(text):
+        return False  # not an exception line: someone else's output, the block is over
+    state["message"] = True  # the exception line
+    state["exception"] = text
+    return True
+
+
+def _continues_child_failed(text: str, state: dict) -> bool:
+    """Everything up to the closing `=====` border after the Root Cause section."""
+    if state.get("closed"):
+        return False
+    if BANNER_RULE.match(text):
+        if state.get("root"):
+            state["closed"] = True
+        return True
+    if text.startswith("Root Cause"):
+        state["root"] = True
+    return True

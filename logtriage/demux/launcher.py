@@ -1,0 +1,98 @@
+"""Recognise the launcher's own lines (torchelastic agent, mp.spawn parent, shell, scheduler)
+and collect the facts they state about workers: pid <-> rank, failed attempts, restarts."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+# W1129 23:34:12.333000 8232 torch/distributed/run.py:874] message
+PY_GLOG = re.compile(r"^([IWEC])(\d{4}) (\d\d:\d\d:\d\d\.\d{6}) (\d+) (\S+):(\d+)\] ?(.*)$")
+_LAUNCHER_PATHS = re.compile(
+    r"distributed/(?:run|launch)\.py|distributed/elastic/|distributed/launcher/|multiprocessing/spawn\.py"
+    r"|deepspeed/launcher/|accelerate/commands/")
+_SHELL = re.compile(
+    r"^(?:\+{1,3} \S|srun: |slurmstepd(?:-[\w.-]+)?: |sbatch: |salloc: |mpirun(?: noticed|: )|prterun |pdsh@"
+    r"|Primary job +terminated|Per user-direction, the job has been aborted"
+    r"|The following values were not passed to `accelerate launch`"
+    r"|\*{20,}$|Setting OMP_NUM_THREADS environment variable for each process)")
+_DEEPSPEED_LAUNCHER = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\] \[\w+\] \[(?:launch|runner|launcher_helper|multinode_runner)\.py:")
+_LAUNCH_FUTURE_WARNING = re.compile(r"distributed/launch\.py:\d+: FutureWarning:")
+
+FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+SENDING = re.compile(r"Sending process (\d+) closing signal (SIG\w+)")
+TERMINATING = re.compile(r"Terminating process (\d+) via signal (SIG\w+)")
+CFE_RANK = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: (\d+)\)")
+CFE_EXIT = re.compile(r"^\s*exitcode\s*: (-?\d+) \(pid: (\d+)\)")
+SPAWN_CHILD = re.compile(r"^-- Process (\d+) terminated with the following error:")
+RESTART = re.compile(r"restart_count=(\d+)|will restart worker group|Worker group FAILED\. \d+/\d+ attempts left")
+CFE_START = re.compile(r"(?:^|\.)ChildFailedError: ?$|ChildFailedError: *$")
+
+
+@dataclass
+class LauncherFacts:
+    """What the launcher's lines said, gathered while reading (a mutable accumulator)."""
+    launcher_pids: set[int] = field(default_factory=set)
+    pid_local_rank: dict[int, int] = field(default_factory=dict)
+    pid_rank: dict[int, int] = field(default_factory=dict)
+    teardown_pids: set[int] = field(default_factory=set)
+    failed_lines: int = 0          # `failed (exitcode ...)` lines: one per failed attempt
+    restart_marked: bool = False
+    _pending_cfe_rank: int | None = None
+
+    @property
+    def segment(self) -> int:
+        return self.failed_lines
+
+    def observe(self, text: str) -> None:
+        """Update the facts from one launcher line (message text, py-glog header included)."""
+        m = FAILED.search(text)
+        if m:
+            self.pid_local_rank[int(m.group(3))] = int(m.group(2))
+            self.failed_lines += 1
+            return
+        m = SENDING.search(text) or TERMINATING.search(text)
+        if m:
+            self.teardown_pids.add(int(m.group(1)))
+            return
+        m = CFE_RANK.match(text)
+        if m:
+            self._pending_cfe_rank = int(m.group(1))
+            return
+        m = CFE_EXIT.match(text)
+        if m and self._pending_cfe_rank is not None:
+            self.pid_rank[int(m.group(2))] = self._pending_cfe_rank
+            self._pending_cfe_rank = None
+            return
+        if RESTART.search(text):
+            self.restart_marked = True
+
+    def pid_to_rank(self) -> dict[int, int]:
+        merged = dict(self.pid_local_rank)
+        merged.update(self.pid_rank)
+        return merged
+
+    def attempt_of_segment(self, segment: int) -> int:
+        """Attempt number of an output segment (segments are cut at each `failed` line)."""
+        if self.restart_marked:
+            return segment
+        if self.failed_lines <= 1:
+            return 0
+        return min(segment, self.failed_lines - 1)
+
+
+def py_glog_pid(text: str) -> tuple[int, str] | None:
+    m = PY_GLOG.match(text)
+    return (int(m.group(4)), m.group(5)) if m else None
+
+
+def is_launcher_path(path: str) -> bool:
+    return bool(_LAUNCHER_PATHS.search(path))
+
+
+def is_shell_or_scheduler(text: str) -> bool:
+    return bool(_SHELL.match(text) or _DEEPSPEED_LAUNCHER.match(text))
+
+
+def is_launch_future_warning(text: str) -> bool:
+    return bool(_LAUNCH_FUTURE_WARNING.search(text))

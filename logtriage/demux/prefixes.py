@@ -1,0 +1,125 @@
+"""Launcher prefixes, outermost first, each stripped once:
+
+    srun --label        `3: `                     (global rank; only when the log uses it widely)
+    OpenMPI tag-output  `[1,3]<stdout>:`          (global rank)
+    pdsh / DeepSpeed    `worker-3: `              (host; only for hosts the log uses widely)
+    torchrun --tee      `[default0]:` `[trainer1]:` `[gpu187:2]:`   (local rank)
+    prefix template     `[default|rank=1|local=1] ` or any leading `[...]` with a rank field
+    excepthook          `[rank1]: `               (global rank)
+    C++ log rank        `[rank1]:[I1130 ...`      (global rank; the glog header stays in the text)
+
+Ambiguous shapes (`3: `, `host: `) count only when a sample of the log shows them as a
+convention (see Dialect), so `RuntimeError: ...` is never taken for a host.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable
+
+_SRUN = re.compile(r"^ {0,6}(\d{1,7}): ")
+_MPI = re.compile(r"^\[(\d+),(\d+)\]<(?:stdout|stderr|stddiag)>: ?")
+_HOST = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62}): ")
+_TEE = re.compile(r"^\[([A-Za-z_][A-Za-z_-]*?)(\d{1,7})\]:")
+_TEE_HOST = re.compile(r"^\[([A-Za-z0-9][A-Za-z0-9_.-]*):(\d{1,7})\]:")
+_EXCEPTHOOK = re.compile(r"^\[rank(\d{1,12})\]:(?: |(?=\[)|$)")
+_TEMPLATE = re.compile(r"^\[([^\[\]\n]{1,120})\]:? ")
+_TEMPLATE_RANK = re.compile(r"(?:^|[|,;\s])(?:global_)?rank[=:\s]?(\d{1,12})(?:$|[|,;\s/])", re.IGNORECASE)
+_TEMPLATE_LOCAL = re.compile(r"local(?:_rank)?[=:\s]?(\d{1,7})", re.IGNORECASE)
+_NOT_HOSTS = frozenset(
+    "traceback file note warning warnings error info debug critical fatal exception failures time host rank "
+    "exitcode error_file traceback root cause reason message http https std stdout stderr usage hint "
+    "what caused step epoch loss iteration args kwargs key value none true false".split())
+_EXCEPTION_NAME = re.compile(r"(?:Error|Exception|Warning|Interrupt|Exit|Failure|Fault)$")
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """Which ambiguous prefix conventions this log uses, decided from a sample of its lines."""
+    srun: bool = False
+    hosts: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def detect(cls, sample: Iterable[str]) -> "Dialect":
+        lines = [line for line in sample if line.strip()]
+        if not lines:
+            return cls()
+        srun_hits = sum(1 for line in lines if _SRUN.match(line))
+        hosts = Counter()
+        for line in lines:
+            rest = line
+            m = _SRUN.match(rest)
+            if m and srun_hits * 3 >= len(lines):
+                rest = rest[m.end():]
+            m = _HOST.match(rest)
+            if m:
+                hosts[m.group(1)] += 1
+        floor = max(5, len(lines) // 20)
+        chosen = frozenset(h for h, n in hosts.items() if n >= floor and _host_like(h))
+        return cls(srun=srun_hits * 3 >= len(lines) and srun_hits >= 3, hosts=chosen)
+
+
+def _host_like(token: str) -> bool:
+    if token.lower() in _NOT_HOSTS or _EXCEPTION_NAME.search(token):
+        return False
+    if token[0].isupper() and token[1:].islower() and token.isalpha():
+        return False  # "Note", "Warning"-like words
+    return any(c.isdigit() or c in "-." for c in token) or token.islower()
+
+
+@dataclass(frozen=True, slots=True)
+class Prefixes:
+    text: str                   # the message after every recognised prefix
+    rank: int | None = None     # global rank named by srun / MPI / template / excepthook / C++
+    local_rank: int | None = None
+    host: str | None = None
+    layers: tuple[str, ...] = ()
+
+    @property
+    def any_rank(self) -> int | None:
+        return self.rank if self.rank is not None else self.local_rank
+
+
+def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
+    text, rank, local, host, layers = line, None, None, None, []
+    if dialect.srun:
+        m = _SRUN.match(text)
+        if m:
+            rank, text = int(m.group(1)), text[m.end():]
+            layers.append("srun")
+    m = _MPI.match(text)
+    if m:
+        rank, text = int(m.group(2)), text[m.end():]
+        layers.append("mpi")
+    if dialect.hosts:
+        m = _HOST.match(text)
+        if m and m.group(1) in dialect.hosts:
+            host, text = m.group(1), text[m.end():]
+            layers.append("host")
+    m = _TEE_HOST.match(text)
+    if m:
+        host, local, text = m.group(1), int(m.group(2)), text[m.end():]
+        layers.append("tee")
+    else:
+        m = _TEE.match(text)
+        if m and m.group(1) != "rank":
+            local, text = int(m.group(2)), text[m.end():]
+            layers.append("tee")
+    m = _TEMPLATE.match(text)
+    if m and not text.startswith("[rank"):
+        inner = m.group(1)
+        r = _TEMPLATE_RANK.search(inner)
+        if r and ("|" in inner or "=" in inner):
+            rank, text = int(r.group(1)), text[m.end():]
+            lm = _TEMPLATE_LOCAL.search(inner)
+            if lm:
+                local = int(lm.group(1))
+            layers.append("template")
+    m = _EXCEPTHOOK.match(text)
+    if m:
+        rank = int(m.group(1))
+        text = text[m.end():]
+        layers.append("excepthook" if not text.startswith("[") else "cpp")
+    return Prefixes(text, rank, local, host, tuple(layers))

@@ -1,0 +1,126 @@
+"""Find the inputs: files, stdin, folders (torchrun --log-dir layout or per-rank files), .gz.
+
+Line numbers in reports are 1-based within each source file; a report on a folder names the
+source file of every line it cites.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from logtriage.errors import InputError
+
+STDIN = "-"
+GZIP_MAGIC = b"\x1f\x8b"
+# torchrun --log-dir: <dir>/<run_id>/attempt_<n>/<local_rank>/{stdout,stderr}.log
+_LOGDIR_FILE = re.compile(r"(?:^|/)attempt_(\d+)/(\d+)/(stdout|stderr)\.log(?:\.gz)?$")
+# other per-rank files: rank3.log, rank_3.txt, log_rank-03.out, worker3.err, 3.log
+_RANK_NAME = re.compile(r"(?:rank|worker|proc|process)[_-]?(\d{1,6})(?!\d)", re.IGNORECASE)
+_BARE_NUMBER_NAME = re.compile(r"^(\d{1,6})\.(?:log|txt|out|err)(?:\.gz)?$")
+_SKIP_SUFFIXES = (".json", ".pt", ".pth", ".bin", ".safetensors", ".npy", ".npz", ".pkl", ".png", ".jpg",
+                  ".so", ".pyc", ".zip", ".tar", ".db", ".sqlite", ".toml", ".yaml", ".yml", ".py")
+
+
+@dataclass(frozen=True)
+class Source:
+    index: int
+    name: str                     # as shown in reports: the path as given, or "<stdin>"
+    path: Path | None             # None for stdin
+    rank_hint: int | None = None  # a per-rank file names its rank
+    attempt_hint: int | None = None
+    channel: str | None = None    # "stdout" / "stderr" for --log-dir files
+
+    @property
+    def is_stdin(self) -> bool:
+        return self.path is None
+
+
+@dataclass(frozen=True)
+class Discovery:
+    sources: tuple[Source, ...]
+    skipped: tuple[str, ...]      # "path: why" for files left out of a folder
+
+
+def discover(inputs: Iterable[str]) -> Discovery:
+    """Expand the user's inputs into sources, in a stable order. Raises InputError for a missing or
+    unreadable file named directly, or a folder with nothing readable in it."""
+    sources: list[Source] = []
+    skipped: list[str] = []
+    stdin_used = False
+    for given in inputs:
+        if given == STDIN:
+            if stdin_used:
+                raise InputError("standard input ('-') given twice")
+            stdin_used = True
+            sources.append(Source(len(sources), "<stdin>", None))
+            continue
+        path = Path(given)
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise InputError(f"{given}: no such file or directory") from None
+        except OSError as exc:
+            raise InputError(f"{given}: cannot read ({exc.strerror or exc})") from None
+        if stat.S_ISDIR(st.st_mode):
+            found = _walk_folder(path, given, skipped)
+            if not found:
+                raise InputError(f"{given}: folder holds no readable log files")
+            for name, file_path, hints in found:
+                sources.append(Source(len(sources), name, file_path, *hints))
+        else:
+            if not os.access(path, os.R_OK):
+                raise InputError(f"{given}: permission denied")
+            sources.append(Source(len(sources), given, path))
+    if not sources:
+        raise InputError("no input: give a log file, a folder, or '-' for standard input")
+    return Discovery(tuple(sources), tuple(skipped))
+
+
+def _walk_folder(root: Path, given: str, skipped: list[str]):
+    found = []
+    seen_dirs: set[tuple[int, int]] = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False, onerror=lambda e: skipped.append(f"{e.filename}: {e.strerror}")):
+        try:
+            st = os.stat(dirpath)
+            key = (st.st_dev, st.st_ino)
+        except OSError:
+            continue
+        if key in seen_dirs:
+            dirnames[:] = []
+            continue
+        seen_dirs.add(key)
+        dirnames.sort()
+        for filename in sorted(filenames):
+            full = Path(dirpath) / filename
+            rel = full.relative_to(root).as_posix()
+            if filename.startswith(".") or filename.lower().endswith(_SKIP_SUFFIXES):
+                continue
+            try:
+                st = full.stat()
+            except OSError as exc:
+                skipped.append(f"{rel}: {exc.strerror or exc}")
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if not os.access(full, os.R_OK):
+                skipped.append(f"{rel}: permission denied")
+                continue
+            name = f"{given.rstrip('/')}/{rel}"
+            found.append((name, full, _hints(rel)))
+    return found
+
+
+def _hints(rel: str) -> tuple[int | None, int | None, str | None]:
+    m = _LOGDIR_FILE.search(rel)
+    if m:
+        return int(m.group(2)), int(m.group(1)), m.group(3)
+    base = rel.rsplit("/", 1)[-1]
+    m = _RANK_NAME.search(base) or _BARE_NUMBER_NAME.match(base)
+    if m:
+        return int(m.group(1)), None, None
+    return None, None, None

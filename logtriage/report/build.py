@@ -1,0 +1,119 @@
+"""Turn a diagnosis into the report model: evidence lines read back from the inputs, findings
+collapsed per rule and rank, identical per-rank lines counted once."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from logtriage.analysis.diagnose import Diagnosis
+from logtriage.analysis.findings import Finding
+from logtriage.demux.streams import StreamKind
+from logtriage.report.evidence import read_lines
+from logtriage.report.model import (ChainEntry, EvidenceLine, FindingView, RankRow, Report, RootCauseView,
+                                    StreamRow)
+from logtriage.scan import ScanResult
+
+MAX_FINDINGS = 400
+EVIDENCE_BEFORE = 3
+EVIDENCE_AFTER = 3
+MAX_BLOCK_EVIDENCE = 30
+
+
+def build_report(scan: ScanResult, diag: Diagnosis, redact: Callable[[str], str] = lambda s: s,
+                 redaction: dict | None = None) -> Report:
+    names = [s.name for s in scan.sources]
+    root = diag.root
+    root_view = None
+    if root is not None:
+        f = root.finding
+        evidence = _evidence(scan, diag, f, redact) if f is not None else ()
+        if f is None and root.rank is not None:
+            evidence = _progress_evidence(scan, diag, root.ranks, redact)
+        root_view = RootCauseView(
+            rule_id=root.rule.id, category=root.rule.category.value, title=root.rule.title, rank=root.rank,
+            ranks=root.ranks, line=f.line if f else None, source=names[f.source] if f else None,
+            text=redact(f.text) if f else "", exception_type=f.exception_type if f else None,
+            confidence=root.confidence, layer=root.rule.layer.value if root.rule.layer else None,
+            explanation=root.rule.explanation, fix=root.rule.fix, misdiagnosis=root.rule.misdiagnosis,
+            reasons=tuple(redact(r) for r in root.reasons), evidence=evidence,
+            stream=f.stream.label() if f else None)
+    chain = tuple(ChainEntry(link.rule.id, link.rule.category.value, link.rule.title, link.role.value, link.ranks,
+                             link.first.line, names[link.first.source], redact(link.first.text), link.count)
+                  for link in diag.chain)
+    ranks = tuple(
+        RankRow(s.key.rank, s.key.attempt, s.key.host, s.lines, s.status, s.role,
+                s.first_error.line if s.first_error else None,
+                names[s.first_error.source] if s.first_error else None,
+                redact(s.first_error.text) if s.first_error else None,
+                s.last_step, s.last_step_line[1] if s.last_step_line else None)
+        for s in diag.streams if s.key.kind is StreamKind.RANK)
+    streams = tuple(StreamRow(s.key.label(), s.key.kind.value, s.key.rank_or_none, s.key.attempt, s.lines)
+                    for s in diag.streams if s.lines)
+    unattributed = sum(s.lines for s in diag.streams if s.key.kind is StreamKind.UNATTRIBUTED)
+    return Report(
+        verdict=diag.verdict.value, root_cause=root_view, chain=chain, ranks=ranks,
+        findings=_findings(diag.findings, names, redact), environment=diag.environment.to_dict(),
+        input_lines=scan.input_lines, unattributed_lines=unattributed, streams=streams,
+        sources=tuple(names), notes=diag.notes + tuple(diag.environment.problems),
+        problems=tuple(scan.problems), redaction=redaction or {})
+
+
+def _findings(findings: tuple[Finding, ...], names: list[str], redact) -> tuple[FindingView, ...]:
+    grouped: dict[tuple, list[Finding]] = {}
+    for f in findings:
+        grouped.setdefault((f.rule.id, f.rank, f.stream.attempt, f.rank is None and f.stream.label()), []).append(f)
+    out = []
+    for group in sorted(grouped.values(), key=lambda g: g[0].seq)[:MAX_FINDINGS]:
+        f = group[0]
+        out.append(FindingView(f.rule.id, f.category.value, f.role.value, f.rank, f.line, names[f.source],
+                               redact(f.text), {k: redact(v) for k, v in f.captures.items()}, f.stream.label(),
+                               len(group)))
+    return tuple(out)
+
+
+def _evidence(scan: ScanResult, diag: Diagnosis, finding: Finding, redact) -> tuple[EvidenceLine, ...]:
+    """The root line with its block (a whole traceback) or a few lines of its stream around it."""
+    source = finding.source
+    index = scan.indexes[source]
+    target = diag.keys[scan.slots.final(index.slots[finding.line - 1])] if finding.line <= len(index.slots) else None
+    block = scan.blocks.get(finding.block_id) if finding.block_id >= 0 else None
+    wanted: list[int] = []
+    if block is not None and block[0] == source:
+        first, last = block[1], block[2]
+        first = max(first, last - MAX_BLOCK_EVIDENCE + 1, 1)
+        wanted = [n for n in range(first, last + 1) if _same(scan, diag, source, n, target)]
+    else:
+        before = _walk(scan, diag, source, finding.line, -1, EVIDENCE_BEFORE, target)
+        after = _walk(scan, diag, source, finding.line, +1, EVIDENCE_AFTER, target)
+        wanted = sorted(before + [finding.line] + after)
+    if finding.line not in wanted:
+        wanted = sorted(set(wanted) | {finding.line})
+    texts = read_lines(scan.sources[source], index, wanted)
+    name = scan.sources[source].name
+    return tuple(EvidenceLine(name, n, redact(texts.get(n, "")), n == finding.line) for n in wanted)
+
+
+def _progress_evidence(scan: ScanResult, diag: Diagnosis, ranks, redact) -> tuple[EvidenceLine, ...]:
+    out = []
+    for s in diag.streams:
+        if s.key.kind is StreamKind.RANK and s.key.rank in ranks and s.last_step_line:
+            src, line = s.last_step_line
+            text = read_lines(scan.sources[src], scan.indexes[src], [line]).get(line, "")
+            out.append(EvidenceLine(scan.sources[src].name, line, redact(text), True))
+    return tuple(out)
+
+
+def _same(scan: ScanResult, diag: Diagnosis, source: int, number: int, target) -> bool:
+    slots = scan.indexes[source].slots
+    return 0 < number <= len(slots) and diag.keys[scan.slots.final(slots[number - 1])] == target
+
+
+def _walk(scan, diag, source, start, step, count, target) -> list[int]:
+    found, number, budget = [], start + step, 400
+    total = len(scan.indexes[source].slots)
+    while 0 < number <= total and len(found) < count and budget:
+        if _same(scan, diag, source, number, target):
+            found.append(number)
+        number += step
+        budget -= 1
+    return found
