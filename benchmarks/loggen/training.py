@@ -165,10 +165,11 @@ class Training:
         """One round of the training script's monitor thread while collectives hang."""
         self.clock.advance(interval_us)
         rnd = self.rng.random
+        spread = min(900_000, interval_us)  # the next round starts after this one's lines
         lines = []
         for r in ranks:
             wk = self.topo.workers[r]
-            lines.append(f"{wk.out}{self.clock.logging_ts(int(rnd() * 900_000))} [INFO] [rank{r}] monitor: "
+            lines.append(f"{wk.out}{self.clock.logging_ts(int(rnd() * spread))} [INFO] [rank{r}] monitor: "
                          f"heartbeat step={stuck_step} gpu_util=0% mem_used={61 + rnd() * 2:.1f}GiB "
                          f"host_rss={20 + rnd() * 4:.1f}GiB dataloader_queue={int(rnd() * 8)}")
         self.w.block(lines)
