@@ -27,11 +27,19 @@ def _is_shard(pf: PyFile, node: ast.AST) -> bool:
     return False
 
 
-def _evened(pf: PyFile, base: str | None) -> bool:
-    """`data = data[: len(data) // world_size * world_size]` somewhere: the shards are equal."""
+def _scope_of(pf: PyFile, node: ast.AST) -> ast.AST:
+    """The innermost function holding `node` (the module when none)."""
+    cur = pf.parents.get(id(node))
+    while cur is not None and not isinstance(cur, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        cur = pf.parents.get(id(cur))
+    return cur if cur is not None else pf.tree
+
+
+def _evened(scope: ast.AST, base: str | None) -> bool:
+    """`data = data[: len(data) // world_size * world_size]` in the same function: equal shards."""
     if base is None:
         return False
-    for node in ast.walk(pf.tree):
+    for node in ast.walk(scope):
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Subscript):
             sl = node.value.slice
             if (dotted(node.value.value) == base and isinstance(sl, ast.Slice) and sl.upper is not None
@@ -51,11 +59,11 @@ def _base(shard: ast.AST) -> str | None:
     return None
 
 
-def _derived(pf: PyFile, seeds: set[int]) -> set[str]:
+def _derived(scope: ast.AST, seeds: set[int]) -> set[str]:
     """Names bound (directly or through calls like DataLoader(...)) to an expression holding a shard."""
     names: set[str] = set()
     for _ in range(3):
-        for node in ast.walk(pf.tree):
+        for node in ast.walk(scope):
             if not isinstance(node, ast.Assign):
                 continue
             inside = {id(n) for n in ast.walk(node.value)}
@@ -81,10 +89,12 @@ def _inside_join(pf: PyFile, loop: ast.AST) -> bool:
 
 def shard_loops(pf: PyFile) -> Iterator[tuple[ast.AST, ast.AST, str]]:
     """(shard expression, loop, what the loop synchronises) for each uneven-shard hazard."""
-    shards = [n for n in ast.walk(pf.tree) if _is_shard(pf, n) and not _evened(pf, _base(n))]
-    for shard in shards:
-        names = _derived(pf, {id(shard)})
-        for loop in ast.walk(pf.tree):
+    for shard in [n for n in ast.walk(pf.tree) if _is_shard(pf, n)]:
+        scope = _scope_of(pf, shard)
+        if _evened(scope, _base(shard)):
+            continue
+        names = _derived(scope, {id(shard)})
+        for loop in ast.walk(scope):
             if not isinstance(loop, (ast.For, ast.AsyncFor)):
                 continue
             iterated = {n.id for n in ast.walk(loop.iter) if isinstance(n, ast.Name)}

@@ -1,0 +1,19 @@
+"""CKP303 fixture: checkpoints loaded without map_location in multi-GPU code."""
+import torch
+import torch.distributed as dist
+
+
+def load(args, local_rank):
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl")
+    # ruleid: CKP303
+    state = torch.load(args.resume)
+    # ruleid: CKP303
+    ckpt = torch.load("checkpoints/last.pt")
+    # ok: CKP303
+    state = torch.load(args.resume, map_location="cpu")
+    # ok: CKP303
+    state = torch.load(args.resume, f"cuda:{local_rank}")
+    # ok: CKP303
+    counts = torch.load("vocab_counts.data")
+    return state, ckpt, counts
