@@ -54,7 +54,7 @@ def check_save_then_read_without_barrier(pf: PyFile) -> Iterator[Hit]:
             continue
         end = block.node.end_lineno or block.node.lineno
         later = sorted((s for s in pf.graph.calls_in(block.scope) if s.call.lineno > end
-                        and innermost(s.guard, GuardKind.RANK) is None), key=lambda s: s.call.lineno)
+                        and not _same_ranks(s, block)), key=lambda s: s.call.lineno)
         for save, dest in saves:
             for site in later:
                 name = pf.collective(site)
@@ -63,10 +63,18 @@ def check_save_then_read_without_barrier(pf: PyFile) -> Iterator[Hit]:
                 read = _read_path(pf, site.call)
                 if read is not None and same_path(read, dest):
                     yield Hit(site.call.lineno, pf.col(site.call),
-                              f"every rank reads `{pf.source_of(read)}` that only some ranks write (line "
-                              f"{save.lineno}) with no barrier between; the other ranks can read it before "
-                              f"it exists or while it is half written")
+                              f"`{pf.source_of(read)}` is read here by ranks that did not write it (written "
+                              f"under `if {pf.source_of(block.node.test)}:`, line {save.lineno}) with no "
+                              f"barrier between; they can read it before it exists or while it is half written")
                     break
+
+
+def _same_ranks(site: CallSite, block) -> bool:
+    """The reader sits under the same rank test as the writer (`if rank == 0:` twice): it reads
+    its own write. Readers in other branches, or under no rank test, are other ranks."""
+    guard = innermost(site.guard, GuardKind.RANK)
+    return (guard is not None and isinstance(guard.node, ast.If) and guard.branch == block.branch
+            and ast.dump(guard.node.test) == ast.dump(block.node.test))
 
 
 def _read_path(pf: PyFile, call: ast.Call) -> ast.expr | None:
