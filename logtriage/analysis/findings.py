@@ -28,6 +28,10 @@ CASCADE_EXCEPTION_TYPES = frozenset({
 })
 _SIGNAL_RULES = {"SIGSEGV": "signal.sigsegv", "SIGABRT": "signal.sigabrt", "SIGBUS": "signal.sigbus",
                  "SIGKILL": "signal.sigkill", "SIGTERM": "signal.sigterm"}
+# Captures naming the rank of the process that printed the line ("[Rank 3] Watchdog caught ...",
+# "Rank 1 is running collective"); used when the line itself carries no rank prefix.
+SELF_RANK_CAPTURES = ("self_rank", "pg_rank")
+_BLOCK_KINDS_WITH_ONE_EVENT = frozenset({"traceback", "native", "cpp", "fault"})
 _MASK = re.compile(r"0x[0-9a-fA-F]+|\d+")
 
 
@@ -97,6 +101,10 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
             stamp = entry_time.get((hit.source, hit.line)) or stamp
         if "rank" in hit.captures and hit.captures["rank"].isdigit():
             rank, how = int(hit.captures["rank"]), "capture"
+        elif rank is None:
+            named = next((hit.captures[k] for k in SELF_RANK_CAPTURES if hit.captures.get(k, "").isdigit()), None)
+            if named is not None:
+                rank, how = int(named), "capture"
         findings.append(Finding(hit.rule, hit.captures, hit.source, hit.line, stream, rank, hit.text,
                                 hit.block_id, hit.seq, stamp, how))
     findings = _best_per_traceback(findings, scan.block_kinds)
@@ -104,14 +112,15 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
 
 
 def _best_per_traceback(findings: list[Finding], block_kinds: dict[int, str]) -> list[Finding]:
-    """A traceback is one event: keep its most specific error finding (a `Missing key(s)` line
-    explains the generic `RuntimeError: Error(s) in loading state_dict` line above it)."""
+    """A traceback (or a C++ abort with its `what():` line) is one event: keep its most specific
+    error finding (a `Missing key(s)` line explains the generic `RuntimeError: Error(s) in
+    loading state_dict` line above it; a watchdog `what():` explains `terminate called`)."""
     best: dict[int, int] = {}
     for f in findings:
-        if f.block_id >= 0 and f.is_error and block_kinds.get(f.block_id) == "traceback":
+        if f.block_id >= 0 and f.is_error and not f.is_teardown and block_kinds.get(f.block_id) in _BLOCK_KINDS_WITH_ONE_EVENT:
             best[f.block_id] = max(best.get(f.block_id, -1), f.rule.priority)
     return [f for f in findings
-            if not (f.block_id in best and f.is_error and f.rule.priority < best[f.block_id])]
+            if not (f.block_id in best and f.is_error and not f.is_teardown and f.rule.priority < best[f.block_id])]
 
 
 def _launcher_rank(hit: Hit, entry_rank: dict, local_to_rank: dict) -> tuple[int | None, str]:

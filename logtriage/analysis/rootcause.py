@@ -74,7 +74,14 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
     roots = [f for f in live if f.role is Role.ROOT_CANDIDATE]
     if roots:
         return _group_root(roots, live, facts, 0.9)
-    either = [f for f in live if f.role is Role.EITHER]
+    either = [f for f in live if f.role is Role.EITHER and not _explained(f, live)]
+    if _collective_timeouts(live):
+        # Exit codes and signals seen by the launcher (-6 after an NCCL watchdog abort) are how
+        # timed-out processes end, and what a timeout's stamp shows came later is its aftermath
+        # (a heartbeat monitor firing minutes after the watchdog): the timeouts say more.
+        timeouts = [f for f in live if f.category is Category.COLLECTIVE_TIMEOUT]
+        either = [f for f in either if f.attributed_by != "launcher" and f.category is not Category.CRASH_SIGNAL
+                  and not any(clearly_before(t.stamp, f.stamp) for t in timeouts)]
     if either:
         specific = [f for f in either if f.rule.id != "signal.exit_nonzero"] or either
         confidence = 0.6 if specific[0].rule.id != "signal.exit_nonzero" else 0.35
@@ -89,6 +96,21 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
         return RootCause(first.rule, first, first.rank, ranks, 0.3,
                          ("only consequences were found; the initiating error is not in this log",))
     return None
+
+
+def _collective_timeouts(live: list[Finding]) -> bool:
+    return any(f.category is Category.COLLECTIVE_TIMEOUT or f.rule.id == "nccl.async_abort" for f in live)
+
+
+def _explained(finding: Finding, live: list[Finding]) -> bool:
+    """An ambiguous finding (a SIGABRT, an exit code) on a rank that already reported an error of
+    its own (a watchdog timeout, a peer error) is that error's consequence. A launcher summary
+    line about a rank is explained by anything that rank printed."""
+    if finding.rank is None:
+        return False
+    from_launcher = finding.attributed_by == "launcher"
+    return any(other.rank == finding.rank and other is not finding and other.role is not Role.EITHER
+               and (from_launcher or other.seq < finding.seq) for other in live)
 
 
 def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts, confidence: float) -> RootCause:

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from datetime import datetime
 
-_GLOG = re.compile(r"^\[?[IWEFC](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{3,9})")
+_GLOG = re.compile(r"^\[?[IWEFC](\d{1,2})(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{3,9})")
 _ISO = re.compile(r"^\[?(\d{4})-(\d\d)-(\d\d)[ T_](\d\d):(\d\d):(\d\d)(?:[.,](\d{1,9}))?")
 _MONTHS = {m: i for i, m in enumerate("Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec".split(), 1)}
 _SYSLOG = re.compile(r"^(Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) +(\d{1,2}) (\d\d):(\d\d):(\d\d)")

@@ -22,6 +22,7 @@ _RANK_MARKERS = (
     re.compile(r"(?:^|[\s,(|])(?:global_)?rank\s*[=:]\s*(\d{1,9})\b", re.IGNORECASE),
     re.compile(r"^\s*rank\s*(\d{1,9})\s*[:|\]]", re.IGNORECASE),
 )
+_EXCEPTION_START = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): ")
 _ERROR_RECORD = re.compile(r"\b(?:ERROR|CRITICAL|FATAL|Exception|exception)\b")
 _LAUNCHER_FRAME = re.compile(
     r'File "[^"]*(?:bin/torchrun|distributed/run\.py|distributed/launch\.py|launcher/api\.py'
@@ -96,7 +97,9 @@ class Assigner:
         block = self.block
         if block is not None:
             same_owner = explicit_slot is None or explicit_slot == block.slot
-            if same_owner and B.continues(block.kind, text, block.state):
+            summary_line = block.kind is not B.BlockKind.CHILD_FAILED and L.CFE_FIELD.match(text)
+            block.state["line_prefixed"] = explicit_slot is not None
+            if same_owner and not summary_line and B.continues(block.kind, text, block.state):
                 self._watch_block_line(block, text)
                 return self._part(block.slot, text, block.block_id)
             self._close_block()
@@ -124,6 +127,9 @@ class Assigner:
             return self._part(slots.pid(pid, self.facts.segment), text)
         if L.CFE_START.search(text):
             return self._open(B.BlockKind.CHILD_FAILED, launcher, text, bare=False)
+        if L.CFE_FIELD.match(text):
+            self.facts.observe(text)
+            return self._part(launcher, text)
         if L.is_launch_future_warning(text):
             return self._open(B.BlockKind.WARNING, launcher, text, bare=False)
         if L.is_shell_or_scheduler(text):
@@ -153,6 +159,12 @@ class Assigner:
         kind = _block_start(text)
         if kind is not None:
             return self._open(kind, slot, text, bare)
+        if _EXCEPTION_START.match(text):
+            # An exception line without its traceback (a paste that starts mid-way): its
+            # message's continuation lines still belong to it.
+            part = self._open(B.BlockKind.TRACEBACK, slot, text, bare)
+            self.block.state.update(message=True, exception=text, prefixed=not bare)
+            return part
         if text.strip():
             self.error_record_slot = slot if _ERROR_RECORD.search(text) else None
         return self._part(slot, text)
@@ -163,6 +175,7 @@ class Assigner:
         block = Block(kind, slot, self.block_count, bare)
         if kind is B.BlockKind.TRACEBACK:
             block.state["owner_hint"] = self.error_record_slot
+            block.state["prefixed"] = not bare
         self.block = block
         self.blocks[block.block_id] = (kind, slot)
         return self._part(slot, text, block.block_id)

@@ -24,13 +24,13 @@ TRACEBACK_START = re.compile(r"^Traceback \(most recent call last\):\s*$")
 _CHAIN = re.compile(r"^(?:During handling of the above exception, another exception occurred:"
                     r"|The above exception was the direct cause of the following exception:)\s*$")
 EXCEPTION_LINE = re.compile(r"^(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)(?::(?: (?P<message>.*))?)?$")
-CPP_GLOG = re.compile(r"^\[([IWEF])(\d{4}) (\d\d:\d\d:\d\d\.\d{3,9})(?: \d+)? ([^ \]]+):(\d+)\] ")
+CPP_GLOG = re.compile(r"^\[([IWEF])(\d{3,4}) (\d\d:\d\d:\d\d\.\d{3,9})(?: \d+)? ([^ \]]+):(\d+)\] ")
 _CPP_CONT = re.compile(r"^(?:Exception raised from |frame #\d+: |<omitting python frames>|\s)")
 FAULT_START = re.compile(r"^Fatal Python error: ")
 _FAULT_CONT = re.compile(r"^(?:\s|Current thread 0x|Thread 0x|Extension modules: |Python runtime state: "
                          r"|Stack \(most recent call first\)|\(total: \d+\)|<no Python frame>)")
 NATIVE_START = re.compile(r"^terminate called (?:after throwing an instance of|without an active exception|recursively)")
-_NATIVE_CONT = re.compile(r"^(?:\s+what\(\): |Exception raised from |frame #\d+: |<omitting python frames>|\s)")
+_NATIVE_CONT = re.compile(r"^(?:\s+what\(\): |Exception raised from |frame #\d+: |<omitting python frames>)")
 WARNING_START = re.compile(r"^\S.*?:\d+: [A-Z]\w*Warning: ")
 BANNER_TITLE = re.compile(r"^== (.{2,60}) ==\s*$")
 BANNER_RULE = re.compile(r"^={5,}\s*$")
@@ -67,6 +67,11 @@ def continues(kind: BlockKind, text: str, state: dict) -> bool:
     return False
 
 
+MAX_MESSAGE_LINES = 40
+_NEW_RECORD = re.compile(r"^(?:\[?[IWEFC]\d{4} \d\d:|\[?\d{4}-\d\d-\d\d[ T_]|\S+\.py:\d+: \w*Warning:|[A-Z][A-Z0-9_]*_JSON=)")
+_MESSAGE_DETAIL = re.compile(r"^(?:nccl[A-Z]\w*: |Last error:|NCCL version )")
+
+
 def _continues_traceback(text: str, state: dict) -> bool:
     if not text:
         state["blank"] = True
@@ -80,7 +85,17 @@ def _continues_traceback(text: str, state: dict) -> bool:
     if text[0] in " \t":
         return True  # frames, source lines, carets, indented message continuation
     if state.get("message"):
-        return False  # a second unindented line after the exception line: the block is over
+        # Multi-line exception messages: under a rank prefix every line of the message keeps the
+        # prefix (one write per traceback); bare, only NCCL's detail lines are recognisable.
+        lines = state.get("message_lines", 0)
+        after_last_error = state.pop("last_error", False)
+        if lines < MAX_MESSAGE_LINES and not _NEW_RECORD.match(text) and (
+                (state.get("prefixed") and state.get("line_prefixed")) or after_last_error
+                or _MESSAGE_DETAIL.match(text)):
+            state["message_lines"] = lines + 1
+            state["last_error"] = text.startswith("Last error:")
+            return True
+        return False
     if not EXCEPTION_LINE.match(text):
         return False  # not an exception line: someone else's output, the block is over
     state["message"] = True  # the exception line

@@ -16,7 +16,10 @@ _SHELL = re.compile(
     r"|Primary job +terminated|Per user-direction, the job has been aborted"
     r"|The following values were not passed to `accelerate launch`"
     r"|\*{20,}$|Setting OMP_NUM_THREADS environment variable for each process)")
-_DEEPSPEED_LAUNCHER = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\] \[\w+\] \[(?:launch|runner|launcher_helper|multinode_runner)\.py:")
+# Older torch logs through Python's default format: "WARNING:torch.distributed.elastic....:msg"
+_PY_LOGGING_LAUNCHER = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL):(?:torch\.distributed\.(?:elastic|launcher|run|launch)"
+                                  r"|__main__|torch\.multiprocessing\.spawn)[\w.]*:")
+_DEEPSPEED_LAUNCHER = re.compile(r"^(?:\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\] )?\[\w+\] \[(?:launch|runner|launcher_helper|multinode_runner)\.py:")
 _LAUNCH_FUTURE_WARNING = re.compile(r"distributed/launch\.py:\d+: FutureWarning:")
 
 FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
@@ -26,6 +29,9 @@ CFE_RANK = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: (\d+)\)")
 CFE_EXIT = re.compile(r"^\s*exitcode\s*: (-?\d+) \(pid: (\d+)\)")
 SPAWN_CHILD = re.compile(r"^-- Process (\d+) terminated with the following error:")
 RESTART = re.compile(r"restart_count=(\d+)|will restart worker group|Worker group FAILED\. \d+/\d+ attempts left")
+# Lines of a ChildFailedError summary, recognisable even when a paste starts in its middle.
+CFE_FIELD = re.compile(r"^(?:\[\d+\]:\s*$|  (?:time|host|rank|exitcode|error_file|traceback)\s*: |"
+                       r"Root Cause \(first observed failure\):|Failures:\s*$|\s*<NO_OTHER_FAILURES>)")
 CFE_START = re.compile(r"(?:^|\.)ChildFailedError: ?$|ChildFailedError: *$")
 
 
@@ -91,7 +97,7 @@ def is_launcher_path(path: str) -> bool:
 
 
 def is_shell_or_scheduler(text: str) -> bool:
-    return bool(_SHELL.match(text) or _DEEPSPEED_LAUNCHER.match(text))
+    return bool(_SHELL.match(text) or _DEEPSPEED_LAUNCHER.match(text) or _PY_LOGGING_LAUNCHER.match(text))
 
 
 def is_launch_future_warning(text: str) -> bool:

@@ -78,14 +78,14 @@ def render_text(report: Report, color: bool = False) -> str:
             out.append(f"  {label:<12} {row.status:<8} {row.role:<9} {row.lines:>7} {step:>9}  {terminal_safe(first)}")
     if report.environment:
         env = ", ".join(f"{k}={_short(str(v), 40)}" for k, v in list(report.environment.items())[:12])
-        out += ["", s.bold("Environment"), *_wrapped(terminal_safe(env), "  ")]
+        out += ["", s.bold("Environment"), *_wrapped(env, "  ")]
     if rc is not None:
         for title, text in (("What to do", rc.fix), ("Don't conclude", rc.misdiagnosis)):
             if text:
-                out += ["", s.bold(title)] + _wrapped(terminal_safe(text), "  ")
+                out += ["", s.bold(title)] + _wrapped(text, "  ")
     if report.notes or report.problems:
         out += ["", s.bold("Notes")] + [ln for n in (*report.notes, *report.problems)
-                                        for ln in _wrapped(terminal_safe(n), "  - ")]
+                                        for ln in _wrapped(n, "  - ")]
     out += ["", s.dim(f"{report.input_lines} lines read from {len(report.sources)} source(s); "
                       f"{report.unattributed_lines} not attributable to a rank or the launcher")]
     return "\n".join(out) + "\n"
@@ -144,5 +144,5 @@ def _short(text: str, width: int) -> str:
 
 
 def _wrapped(text: str, prefix: str) -> list[str]:
-    body = " ".join(text.split())
+    body = terminal_safe(" ".join(text.split()))
     return textwrap.wrap(body, WIDTH, initial_indent=prefix, subsequent_indent=" " * len(prefix)) or [prefix]
