@@ -9,7 +9,7 @@ from logtriage.analysis.childfailed import ChildFailure, parse_child_failures
 from logtriage.analysis.environment import Environment, collect_environment
 from logtriage.analysis.findings import Finding, resolve_findings
 from logtriage.analysis.rootcause import (ChainLink, ChainRole, RankFacts, RootCause, Verdict, build_chain,
-                                          choose_root)
+                                          choose_root, warning_root)
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role, Rule
 from logtriage.demux.streams import StreamKey, StreamKind
@@ -57,6 +57,9 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
             verdict = Verdict.HUNG
     if root is None and failures:
         root = _exit_only_root(failures, catalog)
+        verdict = Verdict.FAILED if root else verdict
+    if root is None and (failures or "traceback" in scan.block_kinds.values()):
+        root = warning_root(findings)
         verdict = Verdict.FAILED if root else verdict
     chain = build_chain(root, findings)
     notes += _child_failed_notes(failures, root)

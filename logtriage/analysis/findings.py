@@ -25,6 +25,7 @@ CASCADE_EXCEPTION_TYPES = frozenset({
     "DistBackendError", "DistNetworkError", "DistStoreError", "DistError", "ChildFailedError",
     "SignalException", "KeyboardInterrupt", "BrokenPipeError", "ConnectionResetError",
     "ConnectionRefusedError", "ProcessExitedException", "ProcessRaisedException", "SystemExit",
+    "CalledProcessError",
 })
 _SIGNAL_RULES = {"SIGSEGV": "signal.sigsegv", "SIGABRT": "signal.sigabrt", "SIGBUS": "signal.sigbus",
                  "SIGKILL": "signal.sigkill", "SIGTERM": "signal.sigterm"}

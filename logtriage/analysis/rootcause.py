@@ -13,7 +13,7 @@ from enum import Enum
 
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.timestamps import clearly_before
-from logtriage.catalog.rule import Category, Role, Rule
+from logtriage.catalog.rule import Category, Role, Rule, Severity
 
 
 class Verdict(str, Enum):
@@ -96,6 +96,19 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
         return RootCause(first.rule, first, first.rank, ranks, 0.3,
                          ("only consequences were found; the initiating error is not in this log",))
     return None
+
+
+def warning_root(findings: list[Finding]) -> RootCause | None:
+    """For a run that failed without an error line: the warnings that led there (an fp16 loss
+    scale halving until training aborted)."""
+    warnings = [f for f in findings if f.rule.severity is Severity.WARNING and not f.is_teardown
+                and f.rule.role in (Role.ROOT_CANDIDATE, Role.EITHER)]
+    if not warnings:
+        return None
+    first = earliest(warnings)
+    group = [f for f in warnings if f.rule.id == first.rule.id]
+    return RootCause(first.rule, first, first.rank, _ranks(group), 0.3, (
+        f"the run failed without an error line; {len(group)} warning(s) of this kind came before the end",))
 
 
 def _collective_timeouts(live: list[Finding]) -> bool:
