@@ -102,7 +102,7 @@ def warning_root(findings: list[Finding]) -> RootCause | None:
     """For a run that failed without an error line: the warnings that led there (an fp16 loss
     scale halving until training aborted)."""
     warnings = [f for f in findings if f.rule.severity is Severity.WARNING and not f.is_teardown
-                and f.rule.role in (Role.ROOT_CANDIDATE, Role.EITHER)]
+                and f.rule.role in (Role.ROOT_CANDIDATE, Role.EITHER, Role.CAUSE_CONFIRMATION)]
     if not warnings:
         return None
     first = earliest(warnings)
