@@ -126,7 +126,7 @@ def validate_sarif(text: str) -> dict:
 
 def test_sarif_validates_against_the_official_schema(tmp_path, capsys) -> None:
     write(tmp_path, "train.py", BUGGY)
-    write(tmp_path, "run job.sh", "#!/bin/bash\ntorchrun --nproc-per-node 2 train.py\n")
+    write(tmp_path, "run job.sh", "#!/bin/bash\nsrun python train.py\n")
     write(tmp_path, "broken.py", "def f(:\n")
     code, out, err = lint(capsys, str(tmp_path), "--format", "sarif")
     assert code == 1 and "broken.py:1: cannot parse" in err

@@ -100,9 +100,25 @@ def check_load_without_map_location(pf: PyFile) -> Iterator[Hit]:
         src = call.args[0] if call.args else kwarg(call, "f")
         if src is None or not any(CHECKPOINTISH.search(ast.unparse(e)) for e in expands(pf, src, site.scope)):
             continue
+        if _mapped_in_other_branch(pf, site, src):
+            continue
         yield Hit(call.lineno, pf.col(call),
                   f"`torch.load({pf.source_of(src)})` without map_location in multi-GPU code: tensors saved "
                   f"from cuda:0 land on cuda:0 in every rank; pass map_location (\"cpu\" or this rank's device)")
+
+
+def _mapped_in_other_branch(pf: PyFile, site: CallSite, src: ast.expr) -> bool:
+    """`if args.gpu is None: torch.load(p)  else: torch.load(p, map_location=loc)`: the author
+    maps where it matters and leaves the other case unmapped on purpose."""
+    node, child = pf.parents.get(id(site.stmt)), site.stmt
+    while node is not None and not isinstance(node, ast.If):
+        node, child = pf.parents.get(id(node)), node
+    if node is None:
+        return False
+    other = node.orelse if any(child is s for s in node.body) else node.body
+    return any(isinstance(n, ast.Call) and pf.qual(n) == "torch.load" and n.args and same_path(n.args[0], src)
+               and (kwarg(n, "map_location") is not None or len(n.args) > 1)
+               for stmt in other for n in ast.walk(stmt))
 
 
 def check_weights_only_false(pf: PyFile) -> Iterator[Hit]:

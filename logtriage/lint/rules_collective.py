@@ -93,7 +93,7 @@ def check_wrapped_forward_in_rank_branch(pf: PyFile) -> Iterator[Hit]:
         return
     for site, guard, what, via in rank_only_uses(pf, pf.wrapped_forward):
         detail = ("FSDP all-gathers parameters in every forward" if what.startswith("FSDP")
-                  else "DDP broadcasts module buffers at the start of forward (broadcast_buffers=True)")
+                  else "DDP broadcasts the module's buffers, if it has any, at the start of forward")
         yield Hit(site.call.lineno, pf.col(site.call),
                   f"forward of {what} runs {where(pf, guard)}{via}; {detail}, a collective the other "
                   f"ranks never join; call the unwrapped module (`.module`) for one-rank evaluation")

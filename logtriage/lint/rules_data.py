@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from typing import Iterator
 
 from logtriage.lint.loops import (LOOPS, data_dependence, loop_data_names, reduced_names, skips, sync_points,
@@ -83,7 +84,12 @@ def check_sampler_without_set_epoch(pf: PyFile) -> Iterator[Hit]:
                       "epoch visits the data in the same order")
 
 
+BATCHNORM = re.compile(r"\b(?:BatchNorm[123]d|SyncBatchNorm|convert_sync_batchnorm)\b")
+
+
 def check_loader_without_drop_last(pf: PyFile) -> Iterator[Hit]:
+    if not BATCHNORM.search(pf.text):
+        return      # without BatchNorm a short last batch breaks nothing this rule knows of
     samplers = _samplers(pf)
     for call in ast.walk(pf.tree):
         if not (isinstance(call, ast.Call) and pf.qual(call).endswith("DataLoader")):
@@ -97,8 +103,8 @@ def check_loader_without_drop_last(pf: PyFile) -> Iterator[Hit]:
             continue
         yield Hit(call.lineno, pf.col(call),
                   "training DataLoader over a DistributedSampler keeps the short last batch "
-                  "(drop_last=False): every rank's final step sees fewer samples (BatchNorm fails on a "
-                  "batch of 1, compiled graphs recompile); pass drop_last=True")
+                  "(drop_last=False) in a file that uses BatchNorm: a final batch of one sample makes "
+                  "BatchNorm raise on every rank; pass drop_last=True")
 
 
 RULES = (
@@ -157,17 +163,19 @@ RULES = (
     ),
     LintRule(
         id="DDP107", name="loader-without-drop-last", severity=Severity.INFO, kind=FileKind.PYTHON,
-        title="Training DataLoader over a DistributedSampler keeps a short last batch",
+        title="Training DataLoader over a DistributedSampler keeps a short last batch (BatchNorm model)",
         prevents=("python.exception",), fixture="DDP107_loader_without_drop_last.py",
         check=check_loader_without_drop_last,
         references=("https://pytorch.org/docs/stable/data.html",),
         docs=RuleDocs(
-            what="A DataLoader whose sampler is a shuffling DistributedSampler, with drop_last not set to "
-                 "True and a batch size other than 1.",
+            what="In a file that uses BatchNorm (BatchNorm1d/2d/3d, SyncBatchNorm), a DataLoader whose "
+                 "sampler is a shuffling DistributedSampler, with drop_last not True and a batch size other "
+                 "than 1.",
             why="DistributedSampler pads so every rank gets the same number of samples, so the ranks do run "
                 "the same number of steps; but the final step of every epoch has a smaller batch on every "
-                "rank. A batch of one makes BatchNorm raise `Expected more than 1 value per channel` (a "
-                "ValueError on all ranks), compiled or CUDA-graph steps recompile, and padding repeats samples.",
+                "rank. When that batch holds one sample, BatchNorm in training mode raises `Expected more "
+                "than 1 value per channel` (a ValueError on all ranks) at the end of an epoch. Without "
+                "BatchNorm in the file the rule stays silent.",
             example="loader = DataLoader(ds, batch_size=32, sampler=DistributedSampler(ds))\n",
             fix="Pass drop_last=True to the training DataLoader (evaluation loaders may keep the last batch).",
         ),

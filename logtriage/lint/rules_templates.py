@@ -17,6 +17,10 @@ from logtriage.lint.model import FileKind, Hit, LintRule, RuleDocs, Severity
 LAUNCH = re.compile(
     r"\btorchrun\b|torch\.distributed\.(?:run|launch)\b|\bdeepspeed\s+[\w./-]|\baccelerate\s+launch\b"
     r"|\bcolossalai\s+run\b|\b(?:srun|mpirun|mpiexec)\b.*\bpython[\d.]*\b|kind:\s*[\"']?PyTorchJob\b")
+# torchrun (torch.distributed.run/launch, and accelerate launch / colossalai run on top of it) sets
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=1 for its workers when it is unset (local_elastic_agent.py).
+ELASTIC_LAUNCH = re.compile(r"\btorchrun\b|torch\.distributed\.(?:run|launch)\b|\baccelerate\s+launch\b"
+                            r"|\bcolossalai\s+run\b")
 ENV_ELSEWHERE = re.compile(r"^\s*(?:source|\.)\s+\S*env\S*|\benvFrom\s*:|--env-file\b|\benv_file\s*:", re.I)
 ASYNC_VAR = re.compile(r"\b(?:TORCH_)?NCCL_ASYNC_ERROR_HANDLING\b")
 ASYNC_ZERO = re.compile(r"\b(?:TORCH_)?NCCL_ASYNC_ERROR_HANDLING[\"']?\s*[=:]\s*[\"']?0\b")
@@ -47,6 +51,10 @@ class TemplateFile:
                 return number, match.start() + 1
         return None
 
+    def elastic(self) -> bool:
+        """Every launch goes through torchrun's elastic agent."""
+        return any(ELASTIC_LAUNCH.search(line) for _, line in self.code_lines())
+
     def judged(self) -> bool:
         return not any(ENV_ELSEWHERE.search(line) for _, line in self.code_lines())
 
@@ -74,10 +82,11 @@ def check_async_error_handling(tf: TemplateFile) -> Iterator[Hit]:
     if state == "disabled":
         yield Hit(*where, "this job sets NCCL async error handling to 0: a failed or timed-out NCCL collective "
                           "then leaves every rank waiting forever instead of tearing the job down")
-    elif state == "missing":
-        yield Hit(*where, "this launch sets neither TORCH_NCCL_ASYNC_ERROR_HANDLING nor "
-                          "NCCL_ASYNC_ERROR_HANDLING: on torch < 2.2 without torchrun a dead peer hangs the job; "
-                          "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (or 3) to make the choice explicit")
+    elif state == "missing" and not tf.elastic():
+        yield Hit(*where, "this launch (not torchrun, which would set it) sets neither "
+                          "TORCH_NCCL_ASYNC_ERROR_HANDLING nor NCCL_ASYNC_ERROR_HANDLING: the behaviour on a "
+                          "failed collective then depends on the image's torch version; export "
+                          "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (or 3)")
 
 
 def check_faulthandler(tf: TemplateFile) -> Iterator[Hit]:
@@ -98,13 +107,15 @@ RULES = (
         references=("seed:ddp-rules (rule 3, CI template check)", "seed:colossalai-ch11 (NCCL hang)",
                     "https://pytorch.org/docs/stable/torch_nccl_environment_variables.html"),
         docs=RuleDocs(
-            what="A shell/Slurm script or job template (YAML) that launches distributed training and sets "
-                 "neither TORCH_NCCL_ASYNC_ERROR_HANDLING nor NCCL_ASYNC_ERROR_HANDLING, or sets it to 0.",
+            what="A shell/Slurm script or job template (YAML) that sets TORCH_NCCL_ASYNC_ERROR_HANDLING / "
+                 "NCCL_ASYNC_ERROR_HANDLING to 0, or that launches distributed training without torchrun "
+                 "(srun/mpirun of python, the deepspeed launcher, a PyTorchJob running python) and sets "
+                 "neither variable.",
             why="With async error handling off, the NCCL watchdog notices a timed-out or failed collective "
                 "but does not tear the process down: the job holds its GPUs and prints nothing. torch >= 2.2 "
-                "defaults to 3 (tear down, skip comm abort) and torchrun sets 1 when unset, so the missing "
-                "variable matters for older torch, other launchers and explicit 0; setting it makes the "
-                "behaviour independent of the image's torch version.",
+                "defaults to 3 (tear down, skip comm abort) and torchrun sets 1 for its workers when unset, "
+                "so an unset variable is only judged for other launchers, where the behaviour depends on the "
+                "torch version in the image; an explicit 0 is always reported.",
             example="#!/bin/bash\n#SBATCH --nodes=2\nsrun python train.py\n",
             fix="export TORCH_NCCL_ASYNC_ERROR_HANDLING=1   (and NCCL_ASYNC_ERROR_HANDLING=1 for torch < 2.2)\n"
                 "In Kubernetes, add it to the container's env list.",

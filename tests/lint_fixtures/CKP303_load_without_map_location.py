@@ -17,3 +17,12 @@ def load(args, local_rank):
     # ok: CKP303
     counts = torch.load("vocab_counts.data")
     return state, ckpt, counts
+
+
+def one_process_per_node_branch(args, loc):
+    if args.gpu is None:
+        # ok: CKP303
+        checkpoint = torch.load(args.resume)    # one process drives every GPU of the node
+    else:
+        checkpoint = torch.load(args.resume, map_location=loc)
+    return checkpoint

@@ -1,6 +1,12 @@
-"""DDP107 fixture: training loaders over a DistributedSampler that keep the short last batch."""
+"""DDP107 fixture: training loaders over a DistributedSampler that keep the short last batch,
+in a file whose model uses BatchNorm."""
+from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
+
+
+def model():
+    return nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
 
 
 def loaders(ds, epochs):

@@ -1,9 +1,9 @@
 #!/bin/bash
-# LNC401 fixture: a torchrun launch that sets no NCCL async error handling.
+# LNC401 fixture: the deepspeed launcher (not torchrun) with no NCCL async error handling set.
 set -euo pipefail
 export PYTHONFAULTHANDLER=1
 export OMP_NUM_THREADS=4
 
 # ruleid: LNC401
 # ok: LNC402
-torchrun --nnodes 1 --nproc-per-node 8 train.py --epochs 10
+deepspeed --num_gpus 8 train.py --deepspeed ds_config.json
