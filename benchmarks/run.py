@@ -33,7 +33,7 @@ from benchmarks.harness.results import BenchResult, RulesResult, SizeResult  # n
 from benchmarks.harness.verify import check_report  # noqa: E402
 from benchmarks.loggen.expect import sidecar_path  # noqa: E402
 from benchmarks.loggen.spec import FailureKind, GenSpec, Style, format_size, parse_size  # noqa: E402
-from logtriage.errors import TriageError  # noqa: E402
+from logtriage.errors import TriageError, UsageError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FULL_SIZES = "100M,300M,1G"
@@ -55,10 +55,12 @@ def ensure_log(spec: GenSpec, scratch: Path) -> tuple[Path, dict]:
     """The generated log for `spec`, made once per generator version; returns it and its sidecar."""
     stem = (f"gen-r{spec.ranks}-{format_size(spec.size)}-s{spec.seed}-{spec.failure.value}-{spec.style.value}"
             f"-at{spec.fail_at:g}")
-    log = scratch / f"{stem}-{generator_hash()}.log"
+    version = generator_hash()
+    log = scratch / f"{stem}-{version}.log"
     if not (log.exists() and sidecar_path(log).exists()):
-        for stale in scratch.glob(f"{stem}-*"):
-            stale.unlink()
+        for stale in scratch.glob("gen-*"):  # logs of an older generator, and half-written ones
+            if f"-{version}." not in stale.name or stale.name.endswith(".partial"):
+                stale.unlink()
         _say(f"generating {log.name} ...")
         generate_file(spec, log)
     return log, tomllib.loads(sidecar_path(log).read_text(encoding="utf-8"))
@@ -98,7 +100,8 @@ def measure_size(label: str, log: Path, expect: dict, args: argparse.Namespace, 
     if not args.no_verify:
         report_path = scratch / f"{log.stem}.report.json"
         timing = run_timed(commands["triage"][0], cwd=REPO, stdout_path=report_path)
-        check = check_report(report_path, expect) if timing.ok else f"exit {timing.returncode}: {timing.stderr_tail}"
+        check = (check_report(report_path, expect) if timing.ok
+                 else f"✗ exit {timing.returncode}: {timing.stderr_tail or 'no message'}")
     size_bytes = log.stat().st_size
     lines = count_lines(log)
     return SizeResult(label, size_bytes, lines, Series(tuple(runs["cat"])), Series(tuple(runs["grep"])),
@@ -154,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.pairs < 1 or args.rules_factor < 2:
+        raise UsageError("--pairs must be at least 1 and --rules-factor at least 2")
     labels = [s.strip() for s in (args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)).split(",") if s.strip()]
     specs = [(label, GenSpec(ranks=args.ranks, size=parse_size(label), seed=args.seed, failure=FailureKind(args.failure),
                              fail_at=args.fail_at, style=Style(args.style))) for label in labels]
@@ -167,11 +172,17 @@ def _run(args: argparse.Namespace) -> int:
     if patterns.warning:
         _say(f"warning: {patterns.warning}")
     if args.pairs < 5:
-        notes.append(f"only {args.pairs} pairs per size: the targets ask for the median of at least 5")
+        notes.append(f"only {args.pairs} pair(s) per size: the targets ask for the median of at least 5")
     sizes = []
     for label, spec in specs:
         log, expect = ensure_log(spec, scratch)
         sizes.append(measure_size(label, log, expect, args, triage, patterns.path, scratch))
+    for r in sizes:
+        for name, series in (("grep", r.grep), ("triage", r.triage)):
+            if series.failures:
+                bad = series.failures[0]
+                notes.append(f"{name} failed {len(series.failures)} of {len(series.runs)} runs on {r.label} "
+                             f"(exit {bad.returncode}: {bad.stderr_tail or 'no message'}); its times are not comparable")
     rules = None
     if not args.no_rules:
         label, spec = specs[-1]

@@ -73,7 +73,8 @@ def grep_patterns(triage: Sequence[str], cwd: Path, out: Path) -> GrepPatterns:
         if proc.returncode == 0 and lines:
             out.write_text("\n".join(lines) + "\n", encoding="utf-8")
             return GrepPatterns(out, len(lines), True, "")
-        why = f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:] or 'no patterns printed'}"
+        last = proc.stderr.strip().splitlines()[-1:]
+        why = f"exit {proc.returncode}: {last[0] if last else 'no patterns printed'}"
     except (OSError, subprocess.TimeoutExpired) as exc:
         why = str(exc)
     out.write_text("\n".join(FALLBACK_PATTERNS) + "\n", encoding="utf-8")

@@ -18,9 +18,10 @@ def _s(seconds: float) -> str:
 def _size_row(r: SizeResult) -> str:
     tri = r.triage
     status = "ok" if not tri.failures else f"exit {tri.failures[0].returncode} ×{len(tri.failures)}"
+    ratio = f"**{r.median_ratio:.2f}**" if not (tri.failures or r.grep.failures) else f"({r.median_ratio:.2f}, invalid)"
     return (f"| {r.label} | {r.lines:,} | {_s(r.cat.median_wall)} | {_s(r.grep.median_wall)} "
             f"| {_s(tri.median_wall)} ({_s(tri.min_wall)}–{_s(tri.max_wall)}) | {_s(tri.median_cpu)} "
-            f"| **{r.median_ratio:.2f}** | {r.triage_mb_s:.0f} | {tri.peak_rss_kb / 1024:.0f} | {status} | {r.check} |")
+            f"| {ratio} | {r.triage_mb_s:.0f} | {tri.peak_rss_kb / 1024:.0f} | {status} | {r.check} |")
 
 
 def render(result: BenchResult) -> str:
