@@ -51,6 +51,13 @@ _CPP_INFO = (
 )
 
 
+def _interval(seconds: float) -> str:
+    """tqdm's elapsed/remaining format: `MM:SS`, or `H:MM:SS` from an hour on."""
+    secs = int(seconds)
+    hours, rest = divmod(secs, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60:02d}:{rest % 60:02d}"
+
+
 class Training:
     """Emits healthy output; knows the current step and collective sequence number."""
 
@@ -132,16 +139,15 @@ class Training:
         self.w.block(lines)
 
     def _tqdm(self, s: int) -> str:
+        """Rank 0's progress bar: redraws separated by `\r` on one physical line."""
         out = self.topo.workers[0].out
+        rate = 1_000_000 / STEP_US
         redraws = []
         for k in range(4):
             done = s - 3 + k
-            pct = done * 100 // TOTAL_STEPS
-            fill = done * 10 // TOTAL_STEPS
-            bar = "\u2588" * fill + " " * (10 - fill)
-            secs = done * STEP_US // 1_000_000
-            redraws.append(f"Training: {pct:3d}%|{bar}| {done}/{TOTAL_STEPS} "
-                           f"[{secs // 3600:02d}:{secs // 60 % 60:02d}:{secs % 60:02d}<?, 2.38it/s]")
+            bar = "\u2588" * (done * 10 // TOTAL_STEPS)
+            redraws.append(f"Training: {done * 100 // TOTAL_STEPS:3d}%|{bar:<10}| {done}/{TOTAL_STEPS} "
+                           f"[{_interval(done / rate)}<{_interval((TOTAL_STEPS - done) / rate)}, {rate:5.2f}it/s]")
         return out + "\r" + "\r".join(redraws)
 
     def _comm_burst(self, ranks: tuple[int, ...], seq: int) -> list[str]:
