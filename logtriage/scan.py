@@ -77,6 +77,7 @@ class ScanResult:
     blocks: dict[int, tuple[int, int, int]]        # block id -> (source, first line, last line)
     block_slots: dict[int, int]
     block_kinds: dict[int, str]
+    block_exceptions: dict[int, str]
     indexes: list[SourceIndex]
     input_lines: int = 0
     fragments: int = 0
@@ -90,7 +91,7 @@ def scan(sources: tuple[Source, ...], matcher: Matcher, progress: Callable[[int]
     facts = LauncherFacts()
     for kind in StreamKind:
         slots.fixed(kind)
-    result = ScanResult(sources, slots, facts, [], {}, [], [], [], {}, {}, {}, [])
+    result = ScanResult(sources, slots, facts, [], {}, [], [], [], {}, {}, {}, {}, [])
     seq = 0
     per_rule_slot: dict[tuple[str, int], int] = {}
     for source in sources:
@@ -124,6 +125,7 @@ def scan(sources: tuple[Source, ...], matcher: Matcher, progress: Callable[[int]
         for block_id, (kind, slot) in assigner.blocks.items():
             result.block_slots[block_id] = slot
             result.block_kinds[block_id] = kind.value
+        result.block_exceptions.update(assigner.exceptions)
         result.input_lines += number
     return result
 

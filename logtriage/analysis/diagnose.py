@@ -49,8 +49,6 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     root = choose_root(findings, facts)
     notes: list[str] = []
     verdict = Verdict.FAILED if root is not None else Verdict.OK
-    if root is not None and root.rule.category is Category.HANG:
-        verdict = Verdict.HUNG
     if root is None:
         root = _hang_from_progress(facts, catalog)
         if root is not None:

@@ -33,6 +33,7 @@ _SIGNAL_RULES = {"SIGSEGV": "signal.sigsegv", "SIGABRT": "signal.sigabrt", "SIGB
 # "Rank 1 is running collective"); used when the line itself carries no rank prefix.
 SELF_RANK_CAPTURES = ("self_rank", "pg_rank")
 _BLOCK_KINDS_WITH_ONE_EVENT = frozenset({"traceback", "native", "cpp", "fault"})
+_EXCEPTION_TYPE = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit))(?::|$)")
 _MASK = re.compile(r"0x[0-9a-fA-F]+|\d+")
 
 
@@ -49,10 +50,11 @@ class Finding:
     seq: int
     stamp: Stamp | None
     attributed_by: str = "stream"     # stream | launcher | capture | signal | exit
+    block_exception: str = ""         # the exception line of the traceback this line is in
 
     @property
     def role(self) -> Role:
-        if self.rule.id == "python.exception" and self.exception_type in CASCADE_EXCEPTION_TYPES:
+        if self.rule.id == "python.exception" and short_type(self.exception_type) in CASCADE_EXCEPTION_TYPES:
             return Role.EITHER
         return self.rule.role
 
@@ -70,8 +72,16 @@ class Finding:
 
     @property
     def exception_type(self) -> str | None:
+        """The exception type as printed (`torch.OutOfMemoryError`), from the rule's capture or
+        from the line itself when it is an exception line."""
         value = self.captures.get("exception_type")
-        return value.rsplit(".", 1)[-1] if value else None
+        if value:
+            return value
+        for text in (self.text, self.block_exception):
+            m = _EXCEPTION_TYPE.match(text)
+            if m:
+                return m.group(1)
+        return None
 
     @property
     def signature(self) -> str:
@@ -107,7 +117,7 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
             if named is not None:
                 rank, how = int(named), "capture"
         findings.append(Finding(hit.rule, hit.captures, hit.source, hit.line, stream, rank, hit.text,
-                                hit.block_id, hit.seq, stamp, how))
+                                hit.block_id, hit.seq, stamp, how, scan.block_exceptions.get(hit.block_id, "")))
     findings = _best_per_traceback(findings, scan.block_kinds)
     return attribute_by_signal(findings, failures)
 
@@ -157,3 +167,8 @@ def attribute_by_signal(findings: list[Finding], failures: list[ChildFailure]) -
                     finding = replace(finding, rank=next(iter(ranks)), attributed_by="signal")
         out.append(finding)
     return out
+
+
+def short_type(name: str | None) -> str | None:
+    """`torch.cuda.OutOfMemoryError` -> `OutOfMemoryError`."""
+    return name.rsplit(".", 1)[-1] if name else None

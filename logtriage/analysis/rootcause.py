@@ -180,18 +180,25 @@ def _missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: Rank
     if culprit is not None:
         return RootCause(first.rule, first, culprit, (culprit,), 0.75,
                          (f"a debug report names rank {culprit} as the one that lagged",))
+    waiters = sorted(timed_out)
+    if missing and waiters and all(m in facts.completed for m in missing) and (
+            len(waiters) < len(missing) or (len(waiters) == len(missing) and 0 in waiters)):
+        # The others finished their run: the waiting side called a collective nobody else did
+        # (typically a rank-0-only branch).
+        return RootCause(first.rule, first, waiters[0], tuple(waiters), 0.55, (
+            f"rank(s) {', '.join(map(str, waiters))} waited in a collective that the other ranks never "
+            f"called: those finished normally, so the extra collective is on the waiting side",))
     if len(missing) == 1:
         only = missing[0]
-        if len(timed_out) == 1 and only in facts.completed:
-            waiter = next(iter(timed_out))
-            return RootCause(first.rule, first, waiter, (waiter,), 0.55, (
-                f"rank {waiter} waited alone in a collective that rank {only} never called: rank {only} "
-                f"finished normally, so the extra collective is on rank {waiter}'s side",))
         return RootCause(first.rule, first, only, (only,), 0.65, (
             f"every rank but {only} timed out in a collective: rank {only} never joined it",))
     if missing:
         return RootCause(first.rule, first, missing[0], tuple(missing), 0.5, (
             f"ranks {', '.join(map(str, missing))} never joined the collective the others timed out in",))
+    if len(timed_out) == 1:
+        only = next(iter(timed_out))
+        return RootCause(first.rule, first, only, (only,), 0.4, (
+            f"rank {only} is the only rank in this log, and it timed out in a collective",))
     behind = _behind(facts, timed_out)
     if behind is not None:
         return RootCause(first.rule, first, behind, (behind,), 0.4, (

@@ -71,6 +71,7 @@ class Assigner:
         self.spawn_rank: int | None = None
         self.pending_rule: int | None = None
         self.blocks: dict[int, tuple[B.BlockKind, int]] = {}   # block id -> (kind, slot)
+        self.exceptions: dict[int, str] = {}                    # traceback block id -> exception line
 
     # -- public -------------------------------------------------------------------------------
     def feed(self, line: str) -> list[Part]:
@@ -191,6 +192,8 @@ class Assigner:
         if block is None or block.kind is not B.BlockKind.TRACEBACK:
             return
         exception = block.state.get("exception", "")
+        if exception:
+            self.exceptions[block.block_id] = exception
         becomes_cfe = bool(L.CFE_START.search(exception))
         if block.bare:
             self.slots.redirect[block.slot] = self._bare_owner(block, exception, becomes_cfe)

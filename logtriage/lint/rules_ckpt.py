@@ -12,7 +12,7 @@ from logtriage.lint.names import has_star_kwargs, is_const, is_host_sync, kwarg
 from logtriage.lint.pyfile import PyFile
 from logtriage.lint.regions import CallSite, GuardKind, innermost
 
-CHECKPOINTISH = re.compile(r"ckpt|checkpoint|resume|pretrain|weights|state|model|\.pth?\b|\.bin\b|\.tar\b", re.I)
+CHECKPOINTISH = re.compile(r"ckpt|checkpoint|resume|pretrain|state_dict|weights|snapshot", re.I)
 
 
 def _save_dest(pf: PyFile, call: ast.Call) -> ast.expr | None:
@@ -98,13 +98,30 @@ def check_load_without_map_location(pf: PyFile) -> Iterator[Hit]:
         if has_star_kwargs(call) or innermost(site.guard, GuardKind.SINGLE) is not None:
             continue
         src = call.args[0] if call.args else kwarg(call, "f")
-        if src is None or not any(CHECKPOINTISH.search(ast.unparse(e)) for e in expands(pf, src, site.scope)):
+        if src is None or _mapped_in_other_branch(pf, site, src):
             continue
-        if _mapped_in_other_branch(pf, site, src):
+        if not (any(CHECKPOINTISH.search(ast.unparse(e)) for e in expands(pf, src, site.scope))
+                or _feeds_load_state_dict(pf, site)):
             continue
         yield Hit(call.lineno, pf.col(call),
                   f"`torch.load({pf.source_of(src)})` without map_location in multi-GPU code: tensors saved "
                   f"from cuda:0 land on cuda:0 in every rank; pass map_location (\"cpu\" or this rank's device)")
+
+
+def _feeds_load_state_dict(pf: PyFile, site: CallSite) -> bool:
+    """The loaded object ends up in `load_state_dict(...)`: directly, or through a variable of the
+    same function (`ckpt = torch.load(p)` ... `model.load_state_dict(ckpt["model"])`)."""
+    node = pf.parents.get(id(site.call))
+    while node is not None and not isinstance(node, ast.stmt):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load_state_dict":
+            return True
+        node = pf.parents.get(id(node))
+    if not isinstance(site.stmt, ast.Assign):
+        return False
+    names = {t.id for t in site.stmt.targets if isinstance(t, ast.Name)}
+    return any(isinstance(other.call.func, ast.Attribute) and other.call.func.attr == "load_state_dict"
+               and any(isinstance(n, ast.Name) and n.id in names for a in other.call.args for n in ast.walk(a))
+               for other in pf.graph.calls_in(site.scope))
 
 
 def _mapped_in_other_branch(pf: PyFile, site: CallSite, src: ast.expr) -> bool:
@@ -181,8 +198,10 @@ RULES = (
         check=check_load_without_map_location,
         references=("https://pytorch.org/docs/stable/generated/torch.load.html",),
         docs=RuleDocs(
-            what="`torch.load(path)` of something that looks like a checkpoint (by its path expression), with "
-                 "no map_location, in a file that runs distributed on GPUs (it mentions cuda or nccl).",
+            what="`torch.load(path)` with no map_location, in a file that runs distributed on GPUs (it "
+                 "mentions cuda or nccl), of a checkpoint: the path names one (ckpt, checkpoint, resume, "
+                 "pretrained, weights, state_dict, snapshot) or the result goes into `load_state_dict`. A "
+                 "load whose sibling branch maps the same path is left alone (a deliberate choice).",
             why="torch.load restores each tensor to the device it was saved from. A checkpoint saved on "
                 "cuda:0 is loaded onto cuda:0 by all N ranks: GPU 0 runs out of memory, or a job with fewer "
                 "GPUs than the saver fails on a device ordinal that does not exist.",

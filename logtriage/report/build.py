@@ -32,7 +32,7 @@ def build_report(scan: ScanResult, diag: Diagnosis, redact: Callable[[str], str]
         root_view = RootCauseView(
             rule_id=root.rule.id, category=root.rule.category.value, title=root.rule.title, rank=root.rank,
             ranks=root.ranks, line=f.line if f else None, source=names[f.source] if f else None,
-            text=redact(f.text) if f else "", exception_type=f.exception_type if f else None,
+            text=redact(f.text) if f else "", exception_type=_exception_type(scan, diag, f) if f else None,
             confidence=root.confidence, layer=root.rule.layer.value if root.rule.layer else None,
             explanation=root.rule.explanation, fix=root.rule.fix, misdiagnosis=root.rule.misdiagnosis,
             reasons=tuple(redact(r) for r in root.reasons), evidence=evidence,
@@ -56,6 +56,28 @@ def build_report(scan: ScanResult, diag: Diagnosis, redact: Callable[[str], str]
         input_lines=scan.input_lines, unattributed_lines=unattributed, streams=streams,
         sources=tuple(names), notes=diag.notes + tuple(diag.environment.problems),
         problems=tuple(scan.problems), redaction=redaction or {})
+
+
+NEARBY_LINES = 200
+
+
+def _exception_type(scan: ScanResult, diag: Diagnosis, finding: Finding) -> str | None:
+    """The exception the root line belongs to: its own, its traceback's, or the first traceback
+    of the same stream that starts soon after it (a device-side assert printed before the
+    `RuntimeError: CUDA error` traceback)."""
+    if finding.exception_type:
+        return finding.exception_type
+    stream = finding.stream
+    for block_id, (source, first, _) in sorted(scan.blocks.items(), key=lambda kv: kv[1][1]):
+        if source != finding.source or not finding.line <= first <= finding.line + NEARBY_LINES:
+            continue
+        exception = scan.block_exceptions.get(block_id)
+        slot = scan.block_slots.get(block_id)
+        if exception and slot is not None and diag.keys[scan.slots.final(slot)] == stream:
+            probe = Finding(finding.rule, {}, source, first, stream, None, exception, block_id, 0, None)
+            if probe.exception_type:
+                return probe.exception_type
+    return None
 
 
 def _findings(findings: tuple[Finding, ...], names: list[str], redact) -> tuple[FindingView, ...]:

@@ -1,0 +1,111 @@
+"""Regression cases: captured logs with `*.expect.toml` sidecars, and how a report compares."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Mapping
+
+from logtriage.errors import InputError
+
+EXPECT_SUFFIX = ".expect.toml"
+_LOG_SUFFIXES = (".log", ".log.gz", ".txt", ".out", "")
+
+
+class Outcome(str, Enum):
+    PASS = "pass"
+    FAIL = "fail"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Expectation:
+    verdict: str = "failed"
+    category: str | None = None
+    rule: str | None = None
+    rank: int | None = None
+    ranks: tuple[int, ...] | None = None
+    exception_type: str | None = None
+    required_findings: tuple[str, ...] = ()
+    forbidden_findings: tuple[str, ...] = ()
+    note: str = ""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Expectation":
+        ranks = data.get("ranks")
+        return cls(
+            verdict=str(data.get("verdict", "failed")),
+            category=data.get("category") or None,
+            rule=data.get("rule") or None,
+            rank=data.get("rank") if isinstance(data.get("rank"), int) else None,
+            ranks=tuple(ranks) if isinstance(ranks, list) else None,
+            exception_type=data.get("exception_type") or None,
+            required_findings=tuple(data.get("required_findings", ())),
+            forbidden_findings=tuple(data.get("forbidden_findings", ())),
+            note=str(data.get("note", "")),
+        )
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    log: Path
+    expect_path: Path
+    expectation: Expectation
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    case: Case
+    outcome: Outcome
+    problems: tuple[str, ...] = ()
+    got: Mapping[str, Any] = field(default_factory=dict)
+    rule_hits: Mapping[str, int] = field(default_factory=dict)
+
+
+def find_cases(root: Path) -> list[Case]:
+    """Every `X.expect.toml` under root with its log (`X.log`, `X.log.gz`, or a folder `X/`)."""
+    if root.is_file() and root.name.endswith(EXPECT_SUFFIX):
+        paths = [root]
+    elif root.is_dir():
+        paths = sorted(root.rglob(f"*{EXPECT_SUFFIX}"))
+    else:
+        raise InputError(f"{root}: not a folder of captured logs or an .expect.toml file")
+    cases = []
+    for expect in paths:
+        stem = expect.name[: -len(EXPECT_SUFFIX)]
+        log = next((expect.with_name(stem + s) for s in _LOG_SUFFIXES if expect.with_name(stem + s).exists()), None)
+        if log is None:
+            continue
+        try:
+            data = tomllib.loads(expect.read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise InputError(f"{expect}: cannot read expectation ({exc})") from None
+        cases.append(Case(str(expect.relative_to(root) if root.is_dir() else expect.name)[: -len(EXPECT_SUFFIX)],
+                          log, expect, Expectation.from_dict(data)))
+    return cases
+
+
+def compare(expect: Expectation, report: Mapping[str, Any]) -> list[str]:
+    """What in the report disagrees with the expectation (empty = pass)."""
+    problems = []
+    rc = report.get("root_cause") or {}
+    if report.get("verdict") != expect.verdict:
+        problems.append(f"verdict {report.get('verdict')!r}, expected {expect.verdict!r}")
+    if expect.verdict == "ok":
+        return problems
+    checks = (("category", expect.category, rc.get("category")), ("rule", expect.rule, rc.get("rule_id")),
+              ("rank", expect.rank, rc.get("rank")), ("exception_type", expect.exception_type, rc.get("exception_type")))
+    for name, want, got in checks:
+        if name == "exception_type" and want is not None and got is not None:
+            want, got = want.rsplit(".", 1)[-1], got.rsplit(".", 1)[-1]
+        if want is not None and want != got:
+            problems.append(f"{name} {got!r}, expected {want!r}")
+    if expect.ranks is not None and sorted(expect.ranks) != sorted(rc.get("ranks") or []):
+        problems.append(f"ranks {rc.get('ranks')}, expected {list(expect.ranks)}")
+    found = {f["rule_id"] for f in report.get("findings", [])}
+    problems += [f"required finding {r} missing" for r in expect.required_findings if r not in found]
+    problems += [f"forbidden finding {r} present" for r in expect.forbidden_findings if r in found]
+    return problems
