@@ -69,19 +69,58 @@ def _is_shuffling_sampler(pf: PyFile, call: ast.AST) -> bool:
             and not is_const(kwarg(call, "shuffle"), False))
 
 
+def _bound_names(pf: PyFile, call: ast.Call) -> set[str]:
+    """Names an assignment binds `call` to (`sampler = DistributedSampler(ds)` -> {"sampler"})."""
+    parent = pf.parents.get(id(call))
+    if isinstance(parent, ast.Assign) and parent.value is call:
+        return {n for n in (dotted(t) for t in parent.targets) if n}
+    return set()
+
+
+def _loaders_over(pf: PyFile, sampler: ast.Call) -> set[str]:
+    names = _bound_names(pf, sampler)
+    loaders: set[str] = set()
+    for node in ast.walk(pf.tree):
+        if isinstance(node, ast.Call) and pf.qual(node).endswith("DataLoader"):
+            given = kwarg(node, "sampler")
+            if given is sampler or (given is not None and (dotted(given) or "") in names):
+                loaders |= _bound_names(pf, node)
+    return loaders
+
+
+def _epoch_loop_over(pf: PyFile, loaders: set[str]) -> bool:
+    """A loop that contains a loop over one of `loaders` (an epoch loop around the data loop)."""
+    for outer in ast.walk(pf.tree):
+        if isinstance(outer, LOOPS):
+            for inner in walk_body(outer.body):
+                if isinstance(inner, (ast.For, ast.AsyncFor)):
+                    used = {dotted(n) for n in ast.walk(inner.iter) if isinstance(n, (ast.Name, ast.Attribute))}
+                    if used & loaders:
+                        return True
+    return False
+
+
 def check_sampler_without_set_epoch(pf: PyFile) -> Iterator[Hit]:
     calls = [n for n in ast.walk(pf.tree) if isinstance(n, ast.Call)]
     if any(isinstance(c.func, ast.Attribute) and c.func.attr == "set_epoch" for c in calls):
         return
-    nested = any(isinstance(inner, LOOPS) for loop in ast.walk(pf.tree) if isinstance(loop, LOOPS)
-                 for inner in walk_body(loop.body))
-    if not nested:
-        return
     for call in calls:
-        if _is_shuffling_sampler(pf, call) and kwarg(call, "seed") is None:
+        if not (_is_shuffling_sampler(pf, call) and kwarg(call, "seed") is None):
+            continue
+        if _epoch_loop_over(pf, _loaders_over(pf, call)):
             yield Hit(call.lineno, pf.col(call),
-                      "DistributedSampler shuffles, but nothing in this file calls `set_epoch(epoch)`; every "
-                      "epoch visits the data in the same order")
+                      "DistributedSampler shuffles and an epoch loop iterates its loader, but nothing in this "
+                      "file calls `set_epoch(epoch)`; every epoch visits the data in the same order")
+
+
+EVAL_NAME = re.compile(r"val|test|eval", re.I)
+
+
+def _evaluation_loader(pf: PyFile, call: ast.Call) -> bool:
+    """Named like an evaluation loader (`val_loader = DataLoader(dataset_val, ...)`): BatchNorm
+    runs in eval mode there, where a batch of one is fine."""
+    names = _bound_names(pf, call) | {dotted(a) or "" for a in call.args[:1]}
+    return any(EVAL_NAME.search(n) for n in names)
 
 
 BATCHNORM = re.compile(r"\b(?:BatchNorm[123]d|SyncBatchNorm|convert_sync_batchnorm)\b")
@@ -99,7 +138,7 @@ def check_loader_without_drop_last(pf: PyFile) -> Iterator[Hit]:
             continue
         if is_const(kwarg(call, "drop_last"), True) or is_const(kwarg(call, "batch_size"), 1):
             continue
-        if any(kw.arg is None for kw in call.keywords):
+        if any(kw.arg is None for kw in call.keywords) or _evaluation_loader(pf, call):
             continue
         yield Hit(call.lineno, pf.col(call),
                   "training DataLoader over a DistributedSampler keeps the short last batch "
@@ -151,8 +190,9 @@ RULES = (
         prevents=(), fixture="DDP106_sampler_without_set_epoch.py", check=check_sampler_without_set_epoch,
         references=("https://pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler",),
         docs=RuleDocs(
-            what="A DistributedSampler that shuffles (the default) in a file with an epoch loop, and no "
-                 "`set_epoch(...)` call anywhere in the file.",
+            what="A DistributedSampler that shuffles (the default) and feeds a DataLoader which an epoch "
+                 "loop of the same file iterates, with no `set_epoch(...)` call anywhere in the file. A "
+                 "sampler built in a library function and iterated elsewhere is not judged.",
             why="The sampler seeds its shuffle with seed + epoch, and the epoch stays 0 unless set_epoch is "
                 "called: every epoch uses the same order. This is a silent training-quality bug, not a hang: "
                 "all ranks still agree, so no runtime failure follows (prevents nothing in the catalog).",
@@ -170,7 +210,8 @@ RULES = (
         docs=RuleDocs(
             what="In a file that uses BatchNorm (BatchNorm1d/2d/3d, SyncBatchNorm), a DataLoader whose "
                  "sampler is a shuffling DistributedSampler, with drop_last not True and a batch size other "
-                 "than 1.",
+                 "than 1. Loaders named for evaluation (val/test/eval) are exempt: BatchNorm runs in eval "
+                 "mode there.",
             why="DistributedSampler pads so every rank gets the same number of samples, so the ranks do run "
                 "the same number of steps; but the final step of every epoch has a smaller batch on every "
                 "rank. When that batch holds one sample, BatchNorm in training mode raises `Expected more "

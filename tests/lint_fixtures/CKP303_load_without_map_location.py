@@ -26,3 +26,14 @@ def one_process_per_node_branch(args, loc):
     else:
         checkpoint = torch.load(args.resume, map_location=loc)
     return checkpoint
+
+
+def into_load_state_dict(model, path):
+    # ruleid: CKP303
+    saved = torch.load(path)
+    model.load_state_dict(saved["model"])
+    # ruleid: CKP303
+    model.load_state_dict(torch.load(path))
+    # ok: CKP303
+    features = torch.load(path + "/trainfeat.pth")      # tensors the program saved from the CPU
+    return features

@@ -21,6 +21,8 @@ def loaders(ds, epochs):
     evaluation = DataLoader(ds, batch_size=32, sampler=DistributedSampler(ds, shuffle=False))
     # ok: DDP107
     single_process = DataLoader(ds, batch_size=32, shuffle=True)
+    # ok: DDP107
+    val_loader = DataLoader(ds, batch_size=32, sampler=sampler)
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-    return train, train_inline, dropped, evaluation, single_process
+    return train, train_inline, dropped, evaluation, single_process, val_loader
