@@ -135,6 +135,9 @@ def _child_failed_notes(failures: list[ChildFailure], root: RootCause | None) ->
         return []
     entry = named[-1]
     what = f"exit code {entry.exitcode}" + (f" ({entry.signal})" if entry.signal else "")
+    if entry.rank is not None and entry.rank in root.ranks and len(root.ranks) > 1:
+        return [f"torchelastic's summary names rank {entry.rank} ({what}), one of the {len(root.ranks)} ranks "
+                f"that raised the same error"]
     if root.rank is not None and entry.rank is not None and entry.rank != root.rank:
         return [f"torchelastic's summary names rank {entry.rank} ({what}) as the root cause; the evidence "
                 f"points at rank {root.rank}: its summary picks the earliest exit at 1-second resolution"]

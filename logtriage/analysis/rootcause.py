@@ -141,6 +141,10 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
             ranks = (rank,)
             reasons.append(f"rank {rank} is the only worker that failed with its own exit code")
             confidence -= 0.15
+    odd = _mismatch_odd_one_out(live)
+    if odd is not None and first.category is Category.COLLECTIVE_MISMATCH:
+        return RootCause(first.rule, first, odd, (odd,), confidence, (
+            f"rank {odd} ran a different collective (op, shape or dtype) from every other rank",))
     culprit = _culprit(live)
     if culprit is not None and first.category in (Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR,
                                                   Category.COLLECTIVE_MISMATCH):
@@ -157,6 +161,26 @@ def _refine_rank(first: Finding, live: list[Finding], ranks: tuple[int, ...]) ->
     if not signs:
         return None
     return earliest(signs).rank
+
+
+def _mismatch_odd_one_out(live: list[Finding]) -> int | None:
+    """With DETAIL, each rank names its own collective fingerprint and another rank's. The rank
+    whose fingerprint differs from the majority's is the one running different code or data."""
+    prints: dict[int, tuple] = {}
+    for f in live:
+        c = f.captures
+        if f.rule.id != "dist.collective_mismatch" or "self_rank" not in c or "other_rank" not in c:
+            continue
+        prints.setdefault(int(c["self_rank"]), (c.get("op"), c.get("shape"), c.get("dtype")))
+        prints.setdefault(int(c["other_rank"]), (c.get("other_op"), c.get("other_shape"), c.get("other_dtype")))
+    if len(prints) < 3:
+        return None
+    counts: dict[tuple, int] = {}
+    for fingerprint in prints.values():
+        counts[fingerprint] = counts.get(fingerprint, 0) + 1
+    majority = max(counts.values())
+    odd = [r for r, fp in prints.items() if counts[fp] < majority]
+    return odd[0] if len(odd) == 1 and list(counts.values()).count(majority) == 1 else None
 
 
 def _culprit(live: list[Finding]) -> int | None:

@@ -45,7 +45,8 @@ def render_text(report: Report, color: bool = False) -> str:
         out.append(s.green(f"triage: {verdict}") + " — no failure found in "
                    f"{report.input_lines} lines ({len(report.ranks)} ranks)")
     else:
-        head = f"triage: {verdict} — {_who(rc.rank, rc.ranks)}: {rc.title}"
+        what = _short(rc.text, 90) if rc.rule_id == "python.exception" and rc.text else rc.title
+        head = f"triage: {verdict} — {_who(rc.rank, rc.ranks)}: {what}"
         out.append((s.red if report.verdict == "failed" else s.yellow)(terminal_safe(head)))
         out.append("")
         facts = [f"rule {rc.rule_id}", f"category {rc.category}"]

@@ -1,0 +1,79 @@
+"""Stream assignment on real logs: ranks, launcher, banner, probes, blocks, late-bound pids."""
+
+from __future__ import annotations
+
+from logtriage.api import run_triage
+from logtriage.demux.streams import StreamKind
+from tests.conftest import ROOT, SAMPLES
+
+DATA = ROOT / "tests" / "data"
+
+
+def _stream_of(run, line: int, source: int = 0):
+    index = run.scan.indexes[source]
+    return run.diagnosis.keys[run.scan.slots.final(index.slots[line - 1])]
+
+
+def _line_of(path, needle: str) -> int:
+    for number, text in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if needle in text:
+            return number
+    raise AssertionError(needle)
+
+
+def test_traceback_block_child_failed_and_launcher_lines():
+    log = SAMPLES / "cpu" / "rank_exception__np4.log"
+    run = run_triage([str(log)])
+    key_error = _line_of(log, "KeyError: 'target'")
+    assert _stream_of(run, key_error).rank == 2
+    assert _stream_of(run, key_error - 3).rank == 2            # a frame of the same traceback
+    for needle in ("ChildFailedError", "Root Cause (first observed failure):", "Sending process"):
+        assert _stream_of(run, _line_of(log, needle)).kind is StreamKind.LAUNCHER
+
+
+def test_torchelastic_root_cause_is_weighed_not_believed():
+    """The issue's example: the summary names the SIGABRT rank; the KeyError rank is the cause."""
+    log = SAMPLES / "cpu" / "rank_exception__legacy_launch.log"
+    report = run_triage([str(log)]).report.to_dict()
+    assert report["root_cause"]["exception_type"] == "KeyError"
+    assert report["root_cause"]["rank"] == 1
+    assert any("names rank 0" in n and "points at rank 1" in n for n in report["notes"])
+
+
+def test_banner_and_probes_become_their_own_streams():
+    log = DATA / "ngc_banner_rank_exception.log"
+    run = run_triage([str(log)])
+    report = run.report.to_dict()
+    assert _stream_of(run, _line_of(log, "== PyTorch ==")).kind is StreamKind.BANNER
+    assert _stream_of(run, _line_of(log, "NVIDIA Release 22.10")).kind is StreamKind.BANNER
+    assert _stream_of(run, _line_of(log, "insufficient for PyTorch")).kind is StreamKind.BANNER
+    env = report["environment"]
+    assert (env["container_image"], env["container_release"], env["nccl"]) == ("PyTorch", "22.10", "2.15.5")
+    assert any("not valid JSON" in p for p in env["probe_problems"])   # a broken probe is reported
+    assert report["root_cause"]["rank"] == 1 and report["root_cause"]["exception_type"] == "KeyError"
+
+
+def test_tee_stdout_flushed_late_still_belongs_to_its_rank():
+    log = SAMPLES / "cpu" / "rank_exception__tee3.log"
+    run = run_triage([str(log)])
+    for number, text in enumerate(log.read_text().splitlines(), 1):
+        if text.startswith("[default1]:"):
+            assert _stream_of(run, number).rank == 1
+
+
+def test_mp_spawn_child_traceback_goes_to_its_process_rank():
+    log = SAMPLES / "cpu" / "rank_exception__mp_spawn.log"
+    run = run_triage([str(log)])
+    report = run.report.to_dict()
+    assert report["root_cause"]["rank"] == 1
+    assert _stream_of(run, _line_of(log, "KeyError")).rank == 1
+
+
+def test_every_line_lands_in_exactly_one_stream_for_a_folder(tmp_path):
+    (tmp_path / "rank0.log").write_text("step 1 loss 0.5\nstep 2 loss 0.4\n")
+    (tmp_path / "rank1.log").write_text("step 1 loss 0.6\nTraceback (most recent call last):\n"
+                                        '  File "train.py", line 3, in <module>\nValueError: bad batch\n')
+    report = run_triage([str(tmp_path)]).report.to_dict()
+    assert report["input_lines"] == 6 == sum(s["lines"] for s in report["streams"])
+    assert report["root_cause"]["rank"] == 1 and report["root_cause"]["line"] == 4
+    assert report["root_cause"]["source"].endswith("rank1.log")

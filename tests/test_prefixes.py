@@ -1,0 +1,55 @@
+"""Each prefix convention, on small real-format excerpts (sources: FORMATS.md §2, public issue logs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from logtriage.demux.prefixes import Dialect, strip_prefixes
+from logtriage.demux.split import split_glued
+
+PLAIN = Dialect()
+
+
+@pytest.mark.parametrize("line, rank, local, text", [
+    ("[rank1]: KeyError: 'target'", 1, None, "KeyError: 'target'"),                       # excepthook
+    ("[rank0]:[I1130 00:01:08.161225451 reducer.cpp:132] Reducer initialized", 0, None,
+     "[I1130 00:01:08.161225451 reducer.cpp:132] Reducer initialized"),                    # C++ log rank
+    ("[default1]:[rank1]: Traceback (most recent call last):", 1, 1, "Traceback (most recent call last):"),
+    ("[trainer0]:[rank 0] step 1 loss 0.1842", None, 0, "[rank 0] step 1 loss 0.1842"),   # --role trainer
+    ("[gpu187:2]:RuntimeError: CUDA error", None, 2, "RuntimeError: CUDA error"),           # role with host
+    ("[default|rank=1|local=1] [rank1]: Traceback (most recent call last):", 1, 1,
+     "Traceback (most recent call last):"),                                                 # prefix template
+    ("[1,3]<stdout>:step 5 loss 2.1", 3, None, "step 5 loss 2.1"),                          # OpenMPI --tag-output
+    ("[1,12]<stderr>:Traceback (most recent call last):", 12, None, "Traceback (most recent call last):"),
+    ("[rank1]:", 1, None, ""),                                                              # only a prefix
+])
+def test_prefix_layers(line, rank, local, text):
+    p = strip_prefixes(line, PLAIN)
+    assert (p.rank, p.local_rank, p.text) == (rank, local, text)
+
+
+def test_srun_label_only_when_the_log_uses_it():
+    sample = ["29: [rank29]: Traceback (most recent call last):", "3: step 1", "0: hello"] * 5
+    dialect = Dialect.detect(sample)
+    assert dialect.srun
+    p = strip_prefixes("29: [rank29]: Traceback (most recent call last):", dialect)
+    assert (p.rank, p.text) == (29, "Traceback (most recent call last):")
+    assert strip_prefixes("3: something", PLAIN).rank is None
+
+
+def test_host_prefix_only_for_hosts_the_log_uses_widely():
+    sample = ["worker-1: [2025-01-16 16:17:48,379] [INFO] [launch.py:146:main] x"] * 8 + \
+             ["worker-0: [Rank 0] DeepSpeed info: version=0.8.3"] * 8 + ["RuntimeError: boom"] * 8
+    dialect = Dialect.detect(sample)
+    assert dialect.hosts == {"worker-0", "worker-1"}
+    assert strip_prefixes("worker-0: [Rank 0] DeepSpeed info", dialect).host == "worker-0"
+    assert strip_prefixes("RuntimeError: boom", dialect).text == "RuntimeError: boom"
+
+
+def test_glued_lines_split_without_losing_text():
+    for line in ["[rank 0] step 1 loss 0.1842[rank 1] step 1 loss 0.0765",
+                 "    main(args)[rank1]:     main(args)",
+                 "[default0]:[rank 0] step 1[default1]:[rank 1] step 1"]:
+        parts = split_glued(line)
+        assert len(parts) == 2 and "".join(parts) == line
+    assert split_glued("[default0]:[rank0]: x") == ["[default0]:[rank0]: x"]
