@@ -92,7 +92,7 @@ def _watchdog_part(spec: GenSpec, topo: Topology, culprit: Worker, survivors: li
             for glog, _ in parts:
                 if i < len(glog):
                     lines += glog[i]
-        evidence = 0
+        evidence = 3 if lagging is not None else 0  # the first `[R] finished collective ...` line
         for _, native in parts:  # each abort message is one write
             lines += native
         clock.advance(rng.randrange(200_000, 800_000))
