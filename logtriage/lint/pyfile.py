@@ -79,8 +79,18 @@ class PyFile:
         return frozenset(names)
 
     def wrapper_kind(self, call: ast.Call) -> str | None:
-        qual = self.imports.qualify(call.func) or ""
-        return WRAPPERS.get(qual.rsplit(".", 1)[-1])
+        """DDP/FSDP for the wrapper classes, and for helpers named after them that take the model
+        first (`ddp_wrap(model, ctx)`, `smart_DDP(model)`)."""
+        last = (self.imports.qualify(call.func) or "").rsplit(".", 1)[-1]
+        if last in WRAPPERS:
+            return WRAPPERS[last]
+        if call.args and isinstance(call.args[0], (ast.Name, ast.Attribute)):
+            lowered = last.lower()
+            if "fsdp" in lowered:
+                return "FSDP"
+            if "ddp" in lowered and not lowered.startswith(("is_", "setup", "init")) and "setup" not in lowered:
+                return "DDP"
+        return None
 
     # -- per-call facts ---------------------------------------------------------------------
     def collective(self, site: CallSite) -> str | None:

@@ -127,7 +127,18 @@ class RankModel:
         others = [o for o in operands if not self.contains_rank_value(o)]
         if others and all(_is_sentinel(o) for o in others):
             return False
+        if self.is_sharding(node):
+            return False    # `i % world_size == rank`: every rank takes it, for its own items
         return True
+
+    def is_sharding(self, node: ast.AST) -> bool:
+        """`i % world_size != rank`: round-robin work sharding, not a rank-only branch."""
+        if not isinstance(node, ast.Compare):
+            return False
+        operands = [node.left, *node.comparators]
+        mods = [o for o in operands if isinstance(o, ast.BinOp) and isinstance(o.op, ast.Mod)
+                and not self.contains_rank_value(o.left)]
+        return bool(mods) and any(self.contains_rank_value(o) for o in operands if o not in mods)
 
 
 def _is_sentinel(node: ast.AST) -> bool:

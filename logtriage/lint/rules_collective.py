@@ -7,7 +7,7 @@ from collections import Counter
 from typing import Callable, Iterator
 
 from logtriage.lint.model import FileKind, Hit, LintRule, RuleDocs, Severity
-from logtriage.lint.names import is_host_sync, on_subgroup
+from logtriage.lint.names import dotted, is_host_sync, on_subgroup
 from logtriage.lint.pyfile import PyFile
 from logtriage.lint.rankexpr import zero_side
 from logtriage.lint.regions import CallSite, Guard, GuardKind, ends_in_exit, innermost
@@ -26,11 +26,29 @@ def where(pf: PyFile, guard: Guard) -> str:
             "after": f"after the rank-dependent early exit `if {test}:` (line {guard.line})"}[guard.branch]
 
 
-def rank_only_uses(pf: PyFile, pick: Callable[[CallSite], str | None],
-                   skip: Callable[[CallSite], bool] = lambda s: False) -> list[tuple[CallSite, Guard, str, str]]:
-    """Calls under a rank guard that run `pick` (directly or through a local helper), after
-    removing those the other branch of the same `if` matches and pairs spread over several guards
-    of one function (`if rank != 0: barrier()` ... `if rank == 0: barrier()`)."""
+Pick = Callable[[CallSite], "str | None"]
+Through = Callable[[CallSite], "tuple[str, str] | None"]
+
+
+def through_helpers(pf: PyFile, pick: Pick) -> Through:
+    """Default search through local helpers: the first call `pick` names that every rank entering
+    the helper runs, as (what, " (through f -> g(), line N)")."""
+    def search(site: CallSite) -> tuple[str, str] | None:
+        for target in pf.graph.resolve(site.call):
+            summary = pf.graph.first_unguarded(target, pick)
+            if summary:
+                chain = " -> ".join([getattr(target, "name", "?"), *summary[2]])
+                return summary[0], f" (through {chain}(), line {summary[1]})"
+        return None
+    return search
+
+
+def rank_only_uses(pf: PyFile, pick: Pick, skip: Callable[[CallSite], bool] = lambda s: False,
+                   through: Through | None = None) -> list[tuple[CallSite, Guard, str, str]]:
+    """Calls under a rank guard that run `pick` (directly, or through local helpers as `through`
+    finds), after removing those the other branch of the same `if` matches and pairs spread over
+    several guards of one function (`if rank != 0: barrier()` ... `if rank == 0: barrier()`)."""
+    search = through or through_helpers(pf, pick)
     found: list[tuple[CallSite, Guard, str, str]] = []
     for site in pf.regions.calls:
         guard = innermost(site.guard, GuardKind.RANK)
@@ -38,12 +56,7 @@ def rank_only_uses(pf: PyFile, pick: Callable[[CallSite], str | None],
             continue
         what, via = pick(site), ""
         if what is None:
-            for target in pf.graph.resolve(site.call):
-                summary = pf.graph.first_unguarded(target, pick)
-                if summary:
-                    chain = " -> ".join([getattr(target, "name", "?"), *summary[2]])
-                    what, via = summary[0], f" (through {chain}(), line {summary[1]})"
-                    break
+            what, via = search(site) or (None, "")
         if what is not None:
             found.append((site, guard, what, via))
     # An if/else where both branches run the same collective is balanced.
@@ -88,10 +101,53 @@ def check_collective_in_rank_branch(pf: PyFile) -> Iterator[Hit]:
                   f"so the collective hangs until the process-group timeout")
 
 
+def _params(helper: ast.AST, call: ast.Call) -> list[str]:
+    spec = getattr(helper, "args", None)
+    names = [a.arg for a in (spec.posonlyargs + spec.args)] if spec else []
+    if names and names[0] in ("self", "cls") and isinstance(call.func, ast.Attribute):
+        names = names[1:]
+    return names
+
+
+def _wrapped_search(pf: PyFile, kinds: dict[str, str | None], site: CallSite,
+                    depth: int = 0, seen: frozenset[int] = frozenset()) -> tuple[str, int, list[str]] | None:
+    """Follow `site` into local helpers, binding each parameter to what the caller passed:
+    `evaluate(model)` carries the wrapper, `evaluate(model.module)` / `evaluate(unwrap(model))`
+    do not. `kinds` maps the caller's own parameters to the wrapper they carry (None: none)."""
+    if depth > 3:
+        return None
+    for helper in pf.graph.resolve(site.call):
+        if id(helper) in seen:
+            continue
+        params = _params(helper, site.call)
+        passed = dict(zip(params, site.call.args)) | {k.arg: k.value for k in site.call.keywords if k.arg}
+        inner: dict[str, str | None] = {}
+        for name in params:
+            arg = dotted(passed[name]) if name in passed else None
+            inner[name] = kinds.get(arg) if arg in kinds else pf.wrapped_models.get(arg or "")
+        for call in sorted(pf.graph.calls_in(helper), key=lambda c: c.call.lineno):
+            if innermost(call.guard, GuardKind.RANK) is not None:
+                continue
+            name = dotted(call.call.func) or ""
+            kind = inner.get(name) if name in inner else (
+                None if name.split(".")[0] in inner else pf.wrapped_models.get(name))
+            if kind:
+                return f"{kind}-wrapped `{name}`", call.call.lineno, [helper.name]
+            deeper = _wrapped_search(pf, inner, call, depth + 1, seen | {id(helper)})
+            if deeper:
+                return deeper[0], deeper[1], [helper.name, *deeper[2]]
+    return None
+
+
 def check_wrapped_forward_in_rank_branch(pf: PyFile) -> Iterator[Hit]:
     if not pf.wrapped_models:
         return
-    for site, guard, what, via in rank_only_uses(pf, pf.wrapped_forward):
+    def through(site: CallSite) -> tuple[str, str] | None:
+        found = _wrapped_search(pf, {}, site)
+        return (found[0], f" (through {' -> '.join(found[2])}(), line {found[1]})") if found else None
+
+    uses = rank_only_uses(pf, pf.wrapped_forward, through=through)
+    for site, guard, what, via in uses:
         detail = ("FSDP all-gathers parameters in every forward" if what.startswith("FSDP")
                   else "DDP broadcasts the module's buffers, if it has any, at the start of forward")
         yield Hit(site.call.lineno, pf.col(site.call),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from typing import Iterator
 
-from logtriage.lint.loops import sync_points
+from logtriage.lint.loops import skips, sync_points
 from logtriage.lint.names import dotted
 from logtriage.lint.pyfile import PyFile
 
@@ -104,4 +104,21 @@ def shard_loops(pf: PyFile) -> Iterator[tuple[ast.AST, ast.AST, str]]:
             syncs = sync_points(pf, loop)
             if syncs:
                 yield shard, loop, syncs[0][1]
+                break
+    yield from _round_robin_skips(pf)
+
+
+def _round_robin_skips(pf: PyFile) -> Iterator[tuple[ast.AST, ast.AST, str]]:
+    """`for i, x in enumerate(items): if i % world_size != rank: continue` and then a collective:
+    the same hazard as a strided shard, written as a skip."""
+    for loop in ast.walk(pf.tree):
+        if not isinstance(loop, (ast.For, ast.AsyncFor)) or _inside_join(pf, loop):
+            continue
+        for skip in skips(loop):
+            test = skip.test.operand if isinstance(skip.test, ast.UnaryOp) else skip.test
+            if not (isinstance(skip.stmt, ast.Continue) and pf.ranks.is_sharding(test)):
+                continue
+            later = [s for s in sync_points(pf, loop) if s[0] > (skip.if_node.end_lineno or 0)]
+            if later:
+                yield skip.test, loop, later[0][1]
                 break

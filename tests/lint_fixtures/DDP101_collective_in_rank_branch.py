@@ -113,3 +113,12 @@ def silenced(rank):
 
 def download_once():
     pass
+
+
+def round_robin_is_not_a_rank_branch(items, rank, world_size, model):
+    for i, item in enumerate(items):
+        # ruleid: DDP105
+        if i % world_size != rank:      # every rank gets items: uneven counts are DDP105's case
+            continue
+        # ok: DDP101
+        dist.broadcast(model(item), src=rank)

@@ -28,3 +28,28 @@ def train(net, sharded_net, batch, rank):
     # ok: DDP103
     out = model(batch)
     return val, out
+
+
+def wrapped_by_a_project_helper(net, batch, ctx, ddp_wrap, ddp_setup):
+    run = ddp_setup(ctx)
+    policy = ddp_wrap(net, ctx)
+    if ctx.is_main:
+        # ruleid: DDP103
+        policy(batch)
+        # ok: DDP103
+        run(batch)
+
+
+def unwrap(module):
+    return module.module if hasattr(module, "module") else module
+
+
+def helper_gets_the_unwrapped_model(net, batch, rank):
+    model = DDP(net)
+    if rank == 0:
+        # ok: DDP103
+        evaluate(unwrap(model), batch)
+        # ok: DDP103
+        evaluate(model.module, batch)
+        # ruleid: DDP103
+        evaluate(model=model, batch=batch)

@@ -42,3 +42,21 @@ def loop_without_collectives(samples, rank, world_size):
     shard = samples[rank::world_size]
     for x in shard:
         print(x)
+
+
+def round_robin_skip(samples, rank, world_size, model):
+    for i, x in enumerate(samples):
+        # ruleid: DDP105
+        if i % world_size != rank:
+            continue
+        dist.all_reduce(model(x))
+
+
+def round_robin_then_one_reduce(samples, rank, world_size, model):
+    total = torch.zeros(1)
+    for i, x in enumerate(samples):
+        # ok: DDP105
+        if i % world_size != rank:
+            continue
+        total += model(x)
+    dist.all_reduce(total)
