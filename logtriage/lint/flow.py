@@ -40,7 +40,7 @@ def expands(pf: PyFile, expr: ast.expr, scope: Scope) -> list[ast.expr]:
 def cli_namespaces(pf: PyFile) -> frozenset[str]:
     """Names bound to `parser.parse_args()` results (their attributes are command-line values)."""
     names = set()
-    for node in ast.walk(pf.tree):
+    for node in pf.nodes:
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
             func = node.value.func
             if isinstance(func, ast.Attribute) and func.attr in CLI_PARSERS:

@@ -46,9 +46,9 @@ def dotted(node: ast.AST) -> str | None:
 class ImportMap:
     """Local name -> fully qualified dotted name, from the module's import statements."""
 
-    def __init__(self, tree: ast.AST):
+    def __init__(self, nodes: "ast.AST | list[ast.AST]"):
         self.aliases: dict[str, str] = {}
-        for node in ast.walk(tree):
+        for node in nodes if isinstance(nodes, list) else ast.walk(nodes):
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.asname:

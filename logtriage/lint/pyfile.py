@@ -16,6 +16,7 @@ DIST_IMPORTS = ("torch.distributed", "deepspeed", "accelerate", "horovod", "torc
                 "torch.nn.parallel.distributed")
 DIST_TEXT = re.compile(r"init_process_group|['\"]LOCAL_RANK['\"]|DistributedDataParallel|init_distributed")
 CUDA_TEXT = re.compile(r"\bcuda\b|\bnccl\b", re.I)
+WRAPPER_TEXT = re.compile(r"ddp|fsdp|fully_shard|DistributedDataParallel|FullyShardedDataParallel", re.I)
 WRAPPERS = {"DistributedDataParallel": "DDP", "FullyShardedDataParallel": "FSDP", "fully_shard": "FSDP"}
 
 
@@ -25,10 +26,21 @@ class PyFile:
         self.text = text
         self.lines = text.splitlines()
         self.tree = tree
-        self.imports = ImportMap(tree)
-        self.ranks = RankModel(tree, self.imports)
-        self.regions: Regions = scan(tree, self.imports, self.ranks)
-        self.graph = CallGraph(self.regions, self.imports)
+        self.nodes: list[ast.AST] = list(ast.walk(tree))     # walked once; checks iterate this
+        self.imports = ImportMap(self.nodes)
+
+    # -- analyses, built on first use (most files need none of them) -------------------------
+    @cached_property
+    def ranks(self) -> RankModel:
+        return RankModel(self.nodes, self.imports)
+
+    @cached_property
+    def regions(self) -> Regions:
+        return scan(self.tree, self.imports, self.ranks)
+
+    @cached_property
+    def graph(self) -> CallGraph:
+        return CallGraph(self.regions, self.imports)
 
     # -- whole-file facts -------------------------------------------------------------------
     @cached_property
@@ -46,7 +58,9 @@ class PyFile:
         """Names bound to a DDP/FSDP-wrapped module -> "DDP" | "FSDP" (DDP with
         broadcast_buffers=False is left out: its forward runs no collective)."""
         out: dict[str, str] = {}
-        for node in ast.walk(self.tree):
+        if not WRAPPER_TEXT.search(self.text):
+            return out
+        for node in self.nodes:
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
                 kind = self.wrapper_kind(node.value)
                 if kind == "DDP" and is_const(kwarg(node.value, "broadcast_buffers"), False):
@@ -66,13 +80,15 @@ class PyFile:
     @cached_property
     def parents(self) -> dict[int, ast.AST]:
         """id(node) -> its parent node."""
-        return {id(child): node for node in ast.walk(self.tree) for child in ast.iter_child_nodes(node)}
+        return {id(child): node for node in self.nodes for child in ast.iter_child_nodes(node)}
 
     @cached_property
     def summary_writers(self) -> frozenset[str]:
         """Names bound to a TensorBoard SummaryWriter (`writer.add_scalar` is then logging I/O)."""
         names: set[str] = set()
-        for node in ast.walk(self.tree):
+        if "SummaryWriter" not in self.text:
+            return frozenset()
+        for node in self.nodes:
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
                 if self.qual(node.value).endswith("SummaryWriter"):
                     names.update(n for n in (dotted(t) for t in node.targets) if n)

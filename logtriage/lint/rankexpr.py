@@ -60,12 +60,14 @@ def _env_key(node: ast.AST) -> str | None:
 class RankModel:
     """Rank knowledge about one module: helper variables, and the two predicates."""
 
-    def __init__(self, tree: ast.AST, imports: ImportMap):
+    def __init__(self, nodes: "ast.AST | list[ast.AST]", imports: ImportMap):
         self.imports = imports
         self.helpers: set[str] = set()
+        assigns = [n for n in (nodes if isinstance(nodes, list) else ast.walk(nodes))
+                   if isinstance(n, (ast.Assign, ast.AnnAssign))]
         # Two passes pick up helpers defined from helpers (`is_main = rank == 0; save = is_main`).
         for _ in range(2):
-            for node in ast.walk(tree):
+            for node in assigns:
                 if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
                     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                     if self.is_rank_value(node.value) or self._compare_splits(node.value):

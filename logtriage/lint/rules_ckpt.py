@@ -47,6 +47,8 @@ def check_save_on_every_rank(pf: PyFile) -> Iterator[Hit]:
 
 
 def check_save_then_read_without_barrier(pf: PyFile) -> Iterator[Hit]:
+    if "save" not in pf.text:
+        return
     for block in pf.regions.blocks:
         saves = [(n, _save_dest(pf, n)) for stmt in block.stmts for n in ast.walk(stmt) if isinstance(n, ast.Call)]
         saves = [(call, dest) for call, dest in saves if dest is not None]
@@ -139,6 +141,8 @@ def _mapped_in_other_branch(pf: PyFile, site: CallSite, src: ast.expr) -> bool:
 
 
 def check_weights_only_false(pf: PyFile) -> Iterator[Hit]:
+    if "weights_only" not in pf.text:
+        return
     for site in pf.regions.calls:
         call = site.call
         if pf.qual(call) != "torch.load" or not is_const(kwarg(call, "weights_only"), False):

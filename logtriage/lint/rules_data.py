@@ -16,7 +16,9 @@ from logtriage.lint.shards import shard_loops
 
 
 def check_data_dependent_skip(pf: PyFile) -> Iterator[Hit]:
-    for loop in ast.walk(pf.tree):
+    if not pf.is_distributed:
+        return
+    for loop in pf.nodes:
         if not isinstance(loop, LOOPS):
             continue
         syncs = sync_points(pf, loop)
@@ -55,7 +57,7 @@ def check_uneven_shards(pf: PyFile) -> Iterator[Hit]:
 def _samplers(pf: PyFile) -> dict[str, ast.Call]:
     """Names bound to a shuffling DistributedSampler(...) call."""
     out = {}
-    for node in ast.walk(pf.tree):
+    for node in pf.nodes:
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and _is_shuffling_sampler(pf, node.value):
             for target in node.targets:
                 name = dotted(target)
@@ -80,7 +82,7 @@ def _bound_names(pf: PyFile, call: ast.Call) -> set[str]:
 def _loaders_over(pf: PyFile, sampler: ast.Call) -> set[str]:
     names = _bound_names(pf, sampler)
     loaders: set[str] = set()
-    for node in ast.walk(pf.tree):
+    for node in pf.nodes:
         if isinstance(node, ast.Call) and pf.qual(node).endswith("DataLoader"):
             given = kwarg(node, "sampler")
             if given is sampler or (given is not None and (dotted(given) or "") in names):
@@ -90,7 +92,7 @@ def _loaders_over(pf: PyFile, sampler: ast.Call) -> set[str]:
 
 def _epoch_loop_over(pf: PyFile, loaders: set[str]) -> bool:
     """A loop that contains a loop over one of `loaders` (an epoch loop around the data loop)."""
-    for outer in ast.walk(pf.tree):
+    for outer in pf.nodes:
         if isinstance(outer, LOOPS):
             for inner in walk_body(outer.body):
                 if isinstance(inner, (ast.For, ast.AsyncFor)):
@@ -101,7 +103,9 @@ def _epoch_loop_over(pf: PyFile, loaders: set[str]) -> bool:
 
 
 def check_sampler_without_set_epoch(pf: PyFile) -> Iterator[Hit]:
-    calls = [n for n in ast.walk(pf.tree) if isinstance(n, ast.Call)]
+    if "DistributedSampler" not in pf.text:
+        return
+    calls = [n for n in pf.nodes if isinstance(n, ast.Call)]
     if any(isinstance(c.func, ast.Attribute) and c.func.attr == "set_epoch" for c in calls):
         return
     for call in calls:
@@ -127,10 +131,10 @@ BATCHNORM = re.compile(r"\b(?:BatchNorm[123]d|SyncBatchNorm|convert_sync_batchno
 
 
 def check_loader_without_drop_last(pf: PyFile) -> Iterator[Hit]:
-    if not BATCHNORM.search(pf.text):
+    if "DistributedSampler" not in pf.text or not BATCHNORM.search(pf.text):
         return      # without BatchNorm a short last batch breaks nothing this rule knows of
     samplers = _samplers(pf)
-    for call in ast.walk(pf.tree):
+    for call in pf.nodes:
         if not (isinstance(call, ast.Call) and pf.qual(call).endswith("DataLoader")):
             continue
         sampler = kwarg(call, "sampler")

@@ -89,7 +89,7 @@ def _inside_join(pf: PyFile, loop: ast.AST) -> bool:
 
 def shard_loops(pf: PyFile) -> Iterator[tuple[ast.AST, ast.AST, str]]:
     """(shard expression, loop, what the loop synchronises) for each uneven-shard hazard."""
-    for shard in [n for n in ast.walk(pf.tree) if _is_shard(pf, n)]:
+    for shard in [n for n in pf.nodes if _is_shard(pf, n)]:
         scope = _scope_of(pf, shard)
         if _evened(scope, _base(shard)):
             continue
@@ -111,7 +111,7 @@ def shard_loops(pf: PyFile) -> Iterator[tuple[ast.AST, ast.AST, str]]:
 def _round_robin_skips(pf: PyFile) -> Iterator[tuple[ast.AST, ast.AST, str]]:
     """`for i, x in enumerate(items): if i % world_size != rank: continue` and then a collective:
     the same hazard as a strided shard, written as a skip."""
-    for loop in ast.walk(pf.tree):
+    for loop in pf.nodes:
         if not isinstance(loop, (ast.For, ast.AsyncFor)) or _inside_join(pf, loop):
             continue
         for skip in skips(loop):
