@@ -4,6 +4,8 @@
     triage inject run rank_exception --variant np4       one variant
     triage inject run rank_exception --nproc 3 --fault-rank 2
     triage inject run --all --out sample_logs/cpu        every variant this machine can run
+    triage inject expect sample_logs/cpu                 rewrite the .expect.toml files of
+                                                         captured logs from the declarations
 
 Each run writes <name>.log (the launcher's stdout+stderr as one stream, byte for byte),
 <name>.expect.toml (the diagnosis triage must give) and <name>.provenance.json beside it;
@@ -24,7 +26,7 @@ from logtriage.errors import UsageError
 from logtriage.inject import registry
 from logtriage.inject.model import Backend
 from logtriage.inject.runner import RunPlan, RunResult, RunStatus, execute
-from logtriage.inject.sidecars import write_sidecars
+from logtriage.inject.sidecars import expect_toml, write_sidecars
 from logtriage.inject.workspace import DEFAULT_ROOT, WorkspaceLock, prepare
 
 
@@ -43,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--workdir", type=Path, default=DEFAULT_ROOT,
                      help="neutral folder the scripts run from (default %(default)s)")
     run.add_argument("--timeout", type=float, help="safety timeout per run, seconds")
+    expect = actions.add_parser("expect", help="rewrite expectation files from the declarations")
+    expect.add_argument("folder", type=Path, help="a folder of captured logs with provenance")
 
 
 def _plans(args: argparse.Namespace) -> list[RunPlan]:
@@ -133,5 +137,28 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def _expect(args: argparse.Namespace) -> int:
+    """Re-derive each captured log's expectation (after a declaration or catalog change)."""
+    records = sorted(args.folder.glob("*.provenance.json"))
+    written = 0
+    for path in records:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if record.get("source") != "triage inject":
+            continue
+        scenario = registry.get_scenario(record["scenario"])
+        variant = scenario.variant(record["variant"])
+        if variant is None:
+            raise UsageError(f"{path}: {scenario.name} has no variant {record['variant']!r}")
+        plan = registry.make_plan(scenario, variant, Backend(record["backend"]),
+                                  record["world_size"], record.get("fault_rank"))
+        stem = path.name[: -len(".provenance.json")]
+        target = path.with_name(stem + ".expect.toml")
+        target.write_text(expect_toml(plan.expectation, scenario.name), encoding="utf-8")
+        written += 1
+    print(f"{written} expectation files written in {args.folder}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
-    return _list(args) if args.action == "list" else _run(args)
+    actions = {"list": _list, "run": _run, "expect": _expect}
+    return actions[args.action](args)

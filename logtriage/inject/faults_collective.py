@@ -93,6 +93,7 @@ DDP_UNUSED_PARAMS = Scenario(
     description="a parameter gets no gradient on one rank (find_unused_parameters=False)",
     expect=Expectation(FAILED, "ddp_usage", "ddp.unused_parameters", RankRef.FAULT,
                        exception_type="RuntimeError",
+                       required_findings=("gloo.connection_closed",),
                        note="rank {fault} skips the auxiliary head; DDP raises 'Expected to have "
                             "finished reduction in the prior iteration' at its next step"),
     evidence="Expected to have finished reduction in the prior iteration",

@@ -27,8 +27,12 @@ def _same_on_all(category: str, rule: str, exception_type: str, note: str) -> Ex
                        exception_type=exception_type, note=note)
 
 
+CLOSED = ("gloo.connection_closed",)
+RESET = ("gloo.connection_reset",)
+
 KEY_ERROR = Expectation(
     FAILED, "python_exception", "python.exception", RankRef.FAULT, exception_type="KeyError",
+    required_findings=CLOSED,
     note="rank {fault} raises KeyError mid-step; the other ranks die of gloo peer errors "
          "in the gradient all-reduce and the agent's SIGTERM")
 
@@ -56,8 +60,9 @@ RANK_EXCEPTION = Scenario(
         Variant("np4", nproc=4, fault_rank=2),
         Variant("np4_record", nproc=4, fault_rank=3, script_args=("--record",)),
         Variant("np2_linger", script_args=("--linger",),
-                expect=replace(KEY_ERROR, note="rank {fault} raises KeyError but a non-daemon "
-                               "thread keeps it alive; rank 0 times out in the all-reduce")),
+                expect=replace(KEY_ERROR, required_findings=("gloo.timeout",),
+                               note="rank {fault} raises KeyError but a non-daemon thread keeps "
+                                    "it alive; rank 0 times out in the all-reduce")),
         *RANK_EXCEPTION_NOISE,
     ),
 )
@@ -76,6 +81,7 @@ RANK_SIGKILL = Scenario(
     name="rank_sigkill", script="rank_dies.py", script_args=("--how", "kill"),
     description="one rank is killed with SIGKILL (as the kernel OOM killer does)",
     expect=Expectation(FAILED, "crash_signal", "signal.sigkill", RankRef.FAULT,
+                       required_findings=RESET,
                        note="rank {fault} gets SIGKILL mid-run and prints nothing; its peers "
                             "see 'Connection reset by peer'"),
     evidence="(SIGKILL)",
@@ -86,6 +92,7 @@ RANK_SIGSEGV = Scenario(
     name="rank_sigsegv", script="rank_dies.py", script_args=("--how", "segv"),
     description="one rank segfaults (a real NULL-pointer read through ctypes)",
     expect=Expectation(FAILED, "crash_signal", "signal.sigsegv", RankRef.FAULT,
+                       required_findings=RESET,
                        note="rank {fault} dies of SIGSEGV; exitcode -11 in the launcher block"),
     evidence="(SIGSEGV)",
     variants=(
@@ -100,6 +107,7 @@ RANK_EXIT_CODE = Scenario(
     name="rank_exit_code", script="rank_dies.py", script_args=("--how", "exit3"),
     description="one rank calls sys.exit(3): no traceback anywhere, only an exit code",
     expect=Expectation(FAILED, "unknown", "signal.exit_nonzero", RankRef.FAULT,
+                       required_findings=CLOSED,
                        note="rank {fault} exits with code 3 and no message"),
     evidence="exitcode  : 3",
     variants=(Variant("np2"),),
@@ -110,6 +118,7 @@ WATCHDOG_STUCK_RANK = Scenario(
     description="a heartbeat watchdog (DDPWatchdog) ends a rank stuck on a lock, before the "
                 "process-group timeout",
     expect=Expectation(FAILED, "hang", "hang.watchdog_heartbeat", RankRef.FAULT,
+                       required_findings=CLOSED,
                        note="rank {fault} blocks on a lock after its all-reduce; its watchdog "
                             "prints [FATAL] after 4 s without a step and calls os._exit(1); "
                             "the others see 'Connection closed by peer'"),
@@ -122,7 +131,7 @@ LOADER_WORKER_CRASH = Scenario(
     script_args=("--fault-step", "5"),
     description="a DataLoader worker process of one rank dies (SIGKILL or SIGSEGV)",
     expect=Expectation(FAILED, "crash_signal", "data.loader_worker_died", RankRef.FAULT,
-                       exception_type="RuntimeError",
+                       exception_type="RuntimeError", required_findings=CLOSED,
                        note="rank {fault}'s loader worker dies while prefetching; the rank "
                             "raises 'DataLoader worker (pid N) is killed by signal'"),
     evidence="DataLoader worker (pid ",

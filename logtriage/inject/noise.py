@@ -42,5 +42,10 @@ RANK_EXCEPTION_NOISE = (
             requires_modules=("tqdm",)),
     Variant("python_m_run", launcher=Launcher.RUN_MODULE),
     Variant("legacy_launch", launcher=Launcher.LAUNCH_MODULE),
-    Variant("mp_spawn", launcher=Launcher.MP_SPAWN, evidence="ProcessRaisedException"),
+    Variant("mp_spawn", launcher=Launcher.MP_SPAWN, evidence="ProcessRaisedException",
+            expect=Expectation(Verdict.FAILED, "python_exception", "python.exception",
+                               RankRef.FAULT, exception_type="KeyError",
+                               note="mp.spawn: the parent re-raises rank {fault}'s KeyError as "
+                                    "ProcessRaisedException ('-- Process {fault} terminated "
+                                    "with the following error:'); no [rankN]: prefixes")),
 )
