@@ -4,6 +4,7 @@ an `if` test reads per-rank data (a loss value, a batch, a shape, the wall clock
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -15,6 +16,10 @@ SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
 DATA_METHODS = frozenset({"item", "isnan", "isinf", "isfinite", "any", "all", "numel", "nelement", "size", "tolist"})
 DATA_FUNCS = frozenset({"torch.isnan", "torch.isinf", "torch.isfinite", "torch.any", "torch.all", "math.isnan",
                         "math.isinf", "math.isfinite", "numpy.isnan", "numpy.isinf", "numpy.isfinite", "len"})
+DATA_WORDS = frozenset({"loader", "dataloader", "data", "dataset", "datasets", "batch", "batches", "sample",
+                        "samples", "stream", "feed", "prefetcher", "iterator", "queue", "examples", "inputs",
+                        "records", "dl"})
+WORD = re.compile(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])")
 CLOCKS = frozenset({"time.time", "time.perf_counter", "time.monotonic", "time.time_ns", "datetime.datetime.now"})
 
 
@@ -76,13 +81,17 @@ def skips(loop: ast.AST) -> Iterator[Skip]:
 
 
 def loop_data_names(loop: ast.AST) -> set[str]:
-    """Names a `for` loop binds from its data (not the counter of enumerate/range)."""
+    """Names a `for` loop binds from per-rank data: the loop reads something named like a data
+    source (loader, dataset, batches, samples, ...), and not the counter of enumerate/range."""
     if not isinstance(loop, (ast.For, ast.AsyncFor)):
         return set()
     target, it = loop.target, loop.iter
     it_name = dotted(it.func) if isinstance(it, ast.Call) else None
     if it_name == "range":
         return set()
+    sources = [(dotted(n) or "").rsplit(".", 1)[-1] for n in ast.walk(it) if isinstance(n, (ast.Name, ast.Attribute))]
+    if not any(w.lower() in DATA_WORDS for name in sources for w in WORD.findall(name)):
+        return set()     # `for mode in Modes:`, `for name in configs:`: the same on every rank
     if it_name == "enumerate" and isinstance(target, ast.Tuple) and target.elts:
         target = ast.Tuple(elts=target.elts[1:], ctx=ast.Store())
     return {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}

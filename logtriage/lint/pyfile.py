@@ -50,6 +50,14 @@ class PyFile:
         return bool(DIST_TEXT.search(self.text))
 
     @cached_property
+    def runs_ranks(self) -> bool:
+        """The file itself runs as several ranks: it starts a process group, wraps a model for
+        DDP/FSDP, or reads a rank. (A utility that merely imports torch.distributed does not.)"""
+        if re.search(r"init_process_group|init_distributed|\.prepare\(", self.text) or self.wrapped_models:
+            return True
+        return any(self.ranks.is_rank_value(n) for n in self.nodes if isinstance(n, (ast.Call, ast.Name, ast.Subscript)))
+
+    @cached_property
     def uses_gpus(self) -> bool:
         return self.is_distributed and bool(CUDA_TEXT.search(self.text))
 

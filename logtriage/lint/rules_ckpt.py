@@ -30,7 +30,7 @@ def _in_memory(pf: PyFile, dest: ast.expr, site: CallSite) -> bool:
 
 
 def check_save_on_every_rank(pf: PyFile) -> Iterator[Hit]:
-    if not pf.is_distributed:
+    if not pf.is_distributed or not pf.runs_ranks:
         return
     for site in pf.regions.calls:
         dest = _save_dest(pf, site.call)
@@ -100,7 +100,7 @@ def check_load_without_map_location(pf: PyFile) -> Iterator[Hit]:
         if has_star_kwargs(call) or innermost(site.guard, GuardKind.SINGLE) is not None:
             continue
         src = call.args[0] if call.args else kwarg(call, "f")
-        if src is None or _mapped_in_other_branch(pf, site, src):
+        if src is None or _mapped_in_other_branch(pf, site, src) or _in_memory(pf, src, site):
             continue
         if not (any(CHECKPOINTISH.search(ast.unparse(e)) for e in expands(pf, src, site.scope))
                 or _feeds_load_state_dict(pf, site)):
@@ -165,7 +165,8 @@ RULES = (
         references=("seed:ddp-rules (CI check: torch.save outside a local_rank == 0 guard)",),
         docs=RuleDocs(
             what="`torch.save`, safetensors `save_file` or `save_pretrained` (without is_main_process=) in "
-                 "distributed code, reached by every rank (module code or a function every rank calls), not "
+                 "a file that runs as several ranks (it starts a process group, wraps a model in DDP/FSDP or "
+                 "reads the rank), reached by every rank (module code or a function every rank calls), not "
                  "under a rank guard, to a path that does not contain the rank. Helpers called only from "
                  "guarded code, single-process branches and in-memory buffers are exempt.",
             why="N processes open and write the same file at once. On a shared file system the result is an "

@@ -59,17 +59,11 @@ def rank_only_uses(pf: PyFile, pick: Pick, skip: Callable[[CallSite], bool] = la
             what, via = search(site) or (None, "")
         if what is not None:
             found.append((site, guard, what, via))
-    # An if/else where both branches run the same collective is balanced.
+    # An if/elif/else chain on ranks where every branch runs the collective is balanced.
     per_branch: dict[tuple[int, str], Counter] = {}
     for site, guard, what, _ in found:
         per_branch.setdefault((id(guard.node), guard.branch), Counter())[what] += 1
-    kept = []
-    for item in found:
-        guard, what = item[1], item[2]
-        other = {"body": "orelse", "orelse": "body"}.get(guard.branch)
-        if other and per_branch.get((id(guard.node), other), Counter())[what] > 0:
-            continue
-        kept.append(item)
+    kept = [item for item in found if not _balanced(pf, item[1], item[2], per_branch)]
     # `if rank != 0: barrier()` ... `if rank == 0: barrier()` in one function pair up (the main rank
     # works while the others wait): the same collective under a main-rank guard and an other-ranks guard.
     sides: dict[tuple[int, str], set[bool]] = {}
@@ -78,6 +72,33 @@ def rank_only_uses(pf: PyFile, pick: Pick, skip: Callable[[CallSite], bool] = la
         if side is not None:
             sides.setdefault((id(site.scope), what), set()).add(side)
     return [item for item in kept if len(sides.get((id(item[0].scope), item[2]), set())) < 2]
+
+
+def _branches(pf: PyFile, node: ast.If) -> list[tuple[ast.If, str, list[ast.stmt]]]:
+    """The branches of the if/elif/else chain on ranks that `node` belongs to."""
+    while True:
+        parent = pf.parents.get(id(node))
+        if isinstance(parent, ast.If) and parent.orelse == [node] and pf.ranks.splits(parent.test):
+            node = parent
+        else:
+            break
+    out = []
+    while True:
+        out.append((node, "body", node.body))
+        if len(node.orelse) == 1 and isinstance(node.orelse[0], ast.If) and pf.ranks.splits(node.orelse[0].test):
+            node = node.orelse[0]
+            continue
+        out.append((node, "orelse", node.orelse))
+        return out
+
+
+def _balanced(pf: PyFile, guard: Guard, what: str, per_branch: dict[tuple[int, str], Counter]) -> bool:
+    """Every branch of the chain (but those that end in `raise`) runs `what`: all ranks call it."""
+    if guard.branch not in ("body", "orelse") or not isinstance(guard.node, ast.If):
+        return False
+    live = [(id(n), b) for n, b, stmts in _branches(pf, guard.node)
+            if not (stmts and isinstance(stmts[-1], ast.Raise))]
+    return len(live) > 1 and all(per_branch.get(key, Counter())[what] > 0 for key in live)
 
 
 def guard_side(pf: PyFile, guard: Guard) -> bool | None:

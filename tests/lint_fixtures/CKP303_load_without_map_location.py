@@ -37,3 +37,12 @@ def into_load_state_dict(model, path):
     # ok: CKP303
     features = torch.load(path + "/trainfeat.pth")      # tensors the program saved from the CPU
     return features
+
+
+def in_memory_round_trip(model):
+    import io
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    # ok: CKP303
+    model.load_state_dict(torch.load(buffer))

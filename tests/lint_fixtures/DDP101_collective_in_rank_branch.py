@@ -122,3 +122,26 @@ def round_robin_is_not_a_rank_branch(items, rank, world_size, model):
             continue
         # ok: DDP101
         dist.broadcast(model(item), src=rank)
+
+
+def every_role_creates_the_group(rank, trainer_ranks):
+    if rank == 0:
+        # ok: DDP101
+        dist.new_group(trainer_ranks)
+    elif rank == 1:
+        # ok: DDP101
+        dist.new_group(trainer_ranks)
+    elif rank in trainer_ranks:
+        # ok: DDP101
+        dist.new_group(trainer_ranks)
+    else:
+        raise RuntimeError(f"unknown rank {rank}")
+
+
+def one_role_forgets_the_group(rank, trainer_ranks):
+    if rank == 0:
+        # ruleid: DDP101
+        dist.new_group(trainer_ranks)
+    elif rank in trainer_ranks:
+        # ruleid: DDP101
+        dist.new_group(trainer_ranks)

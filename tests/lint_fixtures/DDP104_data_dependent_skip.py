@@ -55,3 +55,12 @@ def no_collective_in_the_loop(net, loader):
             # ok: DDP104
             continue
         print(loss)
+
+
+def modes_are_the_same_on_every_rank(model, modes, has_compiler):
+    for mode in modes:
+        if mode != "eager" and not has_compiler():
+            # ok: DDP104
+            continue
+        dist.barrier()
+        model(mode)
