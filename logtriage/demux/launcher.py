@@ -7,7 +7,9 @@ import re
 from dataclasses import dataclass, field
 
 # W1129 23:34:12.333000 8232 torch/distributed/run.py:874] message
-PY_GLOG = re.compile(r"^([IWEC])(\d{4}) (\d\d:\d\d:\d\d\.\d{6}) (\d+) (\S+):(\d+)\] ?(.*)$")
+# Numbers converted with int() have at most 12 digits: a log cannot make an integer too big for the
+# JSON report (or too long for Python to convert).
+PY_GLOG = re.compile(r"^([IWEC])(\d{4}) (\d\d:\d\d:\d\d\.\d{6}) (\d{1,12}) (\S+):(\d+)\] ?(.*)$")
 _LAUNCHER_PATHS = re.compile(
     r"distributed/(?:run|launch)\.py|distributed/elastic/|distributed/launcher/|multiprocessing/spawn\.py"
     r"|deepspeed/launcher/|accelerate/commands/")
@@ -22,12 +24,12 @@ _PY_LOGGING_LAUNCHER = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL):(?:to
 _DEEPSPEED_LAUNCHER = re.compile(r"^(?:\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\] )?\[\w+\] \[(?:launch|runner|launcher_helper|multinode_runner)\.py:")
 _LAUNCH_FUTURE_WARNING = re.compile(r"distributed/launch\.py:\d+: FutureWarning:")
 
-FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
-SENDING = re.compile(r"Sending process (\d+) closing signal (SIG\w+)")
-TERMINATING = re.compile(r"Terminating process (\d+) via signal (SIG\w+)")
-CFE_RANK = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: (\d+)\)")
-CFE_EXIT = re.compile(r"^\s*exitcode\s*: (-?\d+) \(pid: (\d+)\)")
-SPAWN_CHILD = re.compile(r"^-- Process (\d+) terminated with the following error:")
+FAILED = re.compile(r"failed \(exitcode: (-?\d{1,12})\) local_rank: (\d{1,12}) \(pid: (\d{1,12})\)")
+SENDING = re.compile(r"Sending process (\d{1,12}) closing signal (SIG\w+)")
+TERMINATING = re.compile(r"Terminating process (\d{1,12}) via signal (SIG\w+)")
+CFE_RANK = re.compile(r"^\s*rank\s*: (\d{1,12}) \(local_rank: (\d{1,12})\)")
+CFE_EXIT = re.compile(r"^\s*exitcode\s*: (-?\d{1,12}) \(pid: (\d{1,12})\)")
+SPAWN_CHILD = re.compile(r"^-- Process (\d{1,12}) terminated with the following error:")
 RESTART = re.compile(r"restart_count=(\d+)|will restart worker group|Worker group FAILED\. \d+/\d+ attempts left")
 # Lines of a ChildFailedError summary, recognisable even when a paste starts in its middle.
 CFE_FIELD = re.compile(r"^(?:\[\d+\]:\s*$|  (?:time|host|rank|exitcode|error_file|traceback)\s*: |"

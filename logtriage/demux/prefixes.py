@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 _SRUN = re.compile(r"^ {0,6}(\d{1,7}): ")
-_MPI = re.compile(r"^\[(\d+),(\d+)\]<(?:stdout|stderr|stddiag)>: ?")
+_MPI = re.compile(r"^\[(\d{1,9}),(\d{1,12})\]<(?:stdout|stderr|stddiag)>: ?")
 _HOST = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62}): ")
 _TEE = re.compile(r"^\[([A-Za-z_][A-Za-z_-]*?)(\d{1,7})\]:")
 _TEE_HOST = re.compile(r"^\[([A-Za-z0-9][A-Za-z0-9_.-]*):(\d{1,7})\]:")

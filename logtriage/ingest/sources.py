@@ -18,7 +18,7 @@ from logtriage.errors import InputError
 STDIN = "-"
 GZIP_MAGIC = b"\x1f\x8b"
 # torchrun --log-dir: <dir>/<run_id>/attempt_<n>/<local_rank>/{stdout,stderr}.log
-_LOGDIR_FILE = re.compile(r"(?:^|/)attempt_(\d+)/(\d+)/(stdout|stderr)\.log(?:\.gz)?$")
+_LOGDIR_FILE = re.compile(r"(?:^|/)attempt_(\d{1,9})/(\d{1,9})/(stdout|stderr)\.log(?:\.gz)?$")
 # other per-rank files: rank3.log, rank_3.txt, log_rank-03.out, worker3.err, 3.log
 _RANK_NAME = re.compile(r"(?:rank|worker|proc|process)[_-]?(\d{1,6})(?!\d)", re.IGNORECASE)
 _BARE_NUMBER_NAME = re.compile(r"^(\d{1,6})\.(?:log|txt|out|err)(?:\.gz)?$")
