@@ -88,15 +88,19 @@ def allowed_env(environ: dict[str, str] | os._Environ | None = None) -> dict[str
     return dict(sorted(picked.items()))
 
 
+def parse_driver_version(text: str) -> str | None:
+    """The version in /proc/driver/nvidia/version's first line ("... Kernel Module  550.54.15 ...")."""
+    match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
+    return match.group(1) if match else None
+
+
 def _driver_version() -> str | None:
     """The NVIDIA kernel driver version from /proc (no subprocess, no NVML needed)."""
     try:
         with open("/proc/driver/nvidia/version", encoding="utf-8") as handle:
-            first = handle.readline()
+            return parse_driver_version(handle.readline())
     except OSError:
         return None
-    match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", first)
-    return match.group(1) if match else None
 
 
 def _torch_facts() -> dict[str, object]:
