@@ -1,6 +1,10 @@
 """One pass over the inputs: read → clean → demux → match, keeping only small per-line indexes
 (byte offset and slot of every line) and the few lines that matter (findings, launcher lines,
-probes, banner, step lines as per-stream counters)."""
+probes, banner, step lines as per-stream counters).
+
+`LineScanner.line` is the reference: the exact processing of one physical line. The fast path
+(`logtriage.fastscan`) calls it for every line that is not provably plain and assigns the plain
+runs in bulk with the same outcome."""
 
 from __future__ import annotations
 
@@ -27,8 +31,10 @@ from logtriage.ingest.sources import Source
 DIALECT_SAMPLE = 4000
 MAX_FINDINGS_PER_RULE_SLOT = 50
 MAX_LAUNCHER_LINES = 200_000
+MAX_STEP_TEXT = 2000
+MAX_WORLD_TEXT = 4000
 _WORLD = re.compile(r"world[_ ]size\s*[=:]\s*(\d{1,7})|global_world_sizes=\[(\d{1,7})", re.IGNORECASE)
-_STEP = re.compile(r"\b(?:global[_ ])?(?:step|iter(?:ation)?)\b\s*[:=#]?\s*\[?\s*(\d{1,12})\b", re.IGNORECASE)
+STEP = re.compile(r"\b(?:global[_ ])?(?:step|iter(?:ation)?)\b\s*[:=#]?\s*\[?\s*(\d{1,12})\b", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +59,6 @@ class SlotStats:
     last_step_line: tuple[int, int] | None = None
     last_step_text: str = ""
     last_stamp: Stamp | None = None
-    nan_loss_line: tuple[int, int] | None = None
 
 
 @dataclass
@@ -69,108 +74,138 @@ class ScanResult:
     sources: tuple[Source, ...]
     slots: SlotTable
     facts: LauncherFacts
-    hits: list[Hit]
-    stats: dict[int, SlotStats]
-    launcher_lines: list[tuple[int, int, str]]     # (source, line, text)
-    probes: list[tuple[int, int, int, str]]        # (source, line, slot, text)
-    banner_lines: list[str]
-    blocks: dict[int, tuple[int, int, int]]        # block id -> (source, first line, last line)
-    block_slots: dict[int, int]
-    block_kinds: dict[int, str]
-    block_exceptions: dict[int, str]
-    indexes: list[SourceIndex]
+    hits: list[Hit] = field(default_factory=list)
+    stats: dict[int, SlotStats] = field(default_factory=dict)
+    launcher_lines: list[tuple[int, int, str]] = field(default_factory=list)   # (source, line, text)
+    probes: list[tuple[int, int, int, str]] = field(default_factory=list)      # (source, line, slot, text)
+    banner_lines: list[str] = field(default_factory=list)
+    blocks: dict[int, tuple[int, int, int]] = field(default_factory=dict)      # id -> (source, first, last)
+    block_slots: dict[int, int] = field(default_factory=dict)
+    block_kinds: dict[int, str] = field(default_factory=dict)
+    block_exceptions: dict[int, str] = field(default_factory=dict)
+    indexes: list[SourceIndex] = field(default_factory=list)
     input_lines: int = 0
     fragments: int = 0
     problems: list[str] = field(default_factory=list)
+    unreadable: list[str] = field(default_factory=list)   # sources whose reading stopped early
     skipped_hits: int = 0
     world_size: int | None = None
+    seq: int = 0                                           # parts seen so far (global input order)
+    per_rule_slot: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
-def scan(sources: tuple[Source, ...], matcher: Matcher, progress: Callable[[int], None] | None = None) -> ScanResult:
+def new_result(sources: tuple[Source, ...]) -> ScanResult:
     slots = SlotTable()
-    facts = LauncherFacts()
     for kind in StreamKind:
         slots.fixed(kind)
-    result = ScanResult(sources, slots, facts, [], {}, [], [], [], {}, {}, {}, {}, [])
-    seq = 0
-    per_rule_slot: dict[tuple[str, int], int] = {}
-    for source in sources:
-        index = SourceIndex()
-        result.indexes.append(index)
-        lines = _lines_with_spool(source, index)
-        head = list(islice(lines, DIALECT_SAMPLE))
-        dialect = Dialect.detect(clean(decode(raw)) for _, raw in head)
-        assigner = Assigner(slots, facts, dialect, source.rank_hint, source.attempt_hint)
-        number = 0
-        try:
-            for offset, raw in _chain(head, lines):
-                number += 1
-                text = clean(decode(raw))
-                parts = assigner.feed(text)
-                index.offsets.append(offset)
-                index.slots.append(parts[0].slot)
-                result.fragments += len(parts) - 1
-                for part in parts:
-                    seq += 1
-                    _note(result, source.index, number, part, matcher, seq, per_rule_slot)
-                stats = result.stats.setdefault(parts[0].slot, SlotStats())
-                stats.lines += 1
-                if stats.first_line is None:
-                    stats.first_line = (source.index, number)
-                if progress is not None and number % 65536 == 0:
-                    progress(offset)
-        except InputError as exc:
-            result.problems.append(str(exc))
+    return ScanResult(sources, slots, LauncherFacts())
+
+
+class LineScanner:
+    """The exact processing of one source's lines, one physical line at a time."""
+
+    def __init__(self, result: ScanResult, source: Source, index: SourceIndex, matcher: Matcher, dialect: Dialect):
+        self.result, self.source, self.index, self.matcher = result, source, index, matcher
+        self.assigner = Assigner(result.slots, result.facts, dialect, source.rank_hint, source.attempt_hint)
+        self.launcher_slot = result.slots.fixed(StreamKind.LAUNCHER)
+        self.probe_slot = result.slots.fixed(StreamKind.PROBE)
+        self.banner_slot = result.slots.fixed(StreamKind.BANNER)
+        self.lines = 0
+
+    def line(self, number: int, offset: int, raw: bytes) -> None:
+        result = self.result
+        parts = self.assigner.feed(clean(decode(raw)))
+        self.index.offsets.append(offset)
+        self.index.slots.append(parts[0].slot)
+        result.fragments += len(parts) - 1
+        for part in parts:
+            result.seq += 1
+            self._note(number, part)
+        stats = result.stats.get(parts[0].slot)
+        if stats is None:
+            stats = result.stats[parts[0].slot] = SlotStats()
+        stats.lines += 1
+        if stats.first_line is None:
+            stats.first_line = (self.source.index, number)
+        self.lines = number
+
+    def close(self) -> None:
+        result, assigner = self.result, self.assigner
         assigner.close()
         for block_id, (kind, slot) in assigner.blocks.items():
             result.block_slots[block_id] = slot
             result.block_kinds[block_id] = kind.value
         result.block_exceptions.update(assigner.exceptions)
-        result.input_lines += number
+        result.input_lines += self.lines
+
+    def _note(self, number: int, part: Part) -> None:
+        result, text, slot = self.result, part.text, part.slot
+        source = self.source.index
+        if part.block_id >= 0:
+            first = result.blocks.get(part.block_id)
+            result.blocks[part.block_id] = (source, first[1] if first else number, number)
+        if not text:
+            return
+        if slot == self.launcher_slot:
+            if len(result.launcher_lines) < MAX_LAUNCHER_LINES:
+                result.launcher_lines.append((source, number, text))
+        elif slot == self.probe_slot:
+            result.probes.append((source, number, slot, text))
+        elif slot == self.banner_slot and len(result.banner_lines) < 200:
+            result.banner_lines.append(text)
+        if ("orld" in text or "ORLD" in text) and len(text) < MAX_WORLD_TEXT:
+            m = _WORLD.search(text)
+            if m:
+                value = int(m.group(1) or m.group(2))
+                if 0 < value <= 1_000_000:
+                    result.world_size = max(result.world_size or 0, value)
+        if ("tep" in text or "ter" in text) and len(text) < MAX_STEP_TEXT:
+            note_step(result, slot, source, number, text)
+        for hit in self.matcher.match(text):
+            key = (hit.rule.id, slot)
+            count = result.per_rule_slot.get(key, 0)
+            result.per_rule_slot[key] = count + 1
+            if count >= MAX_FINDINGS_PER_RULE_SLOT:
+                result.skipped_hits += 1
+                continue
+            result.hits.append(Hit(hit.rule, hit.captures, source, number, slot, text, part.block_id,
+                                   result.seq, parse_stamp(text)))
+
+
+def note_step(result: ScanResult, slot: int, source: int, number: int, text: str) -> bool:
+    """Record a progress line (`step 812`, `iteration 3`) as its stream's latest."""
+    m = STEP.search(text)
+    if not m:
+        return False
+    stats = result.stats.get(slot)
+    if stats is None:
+        stats = result.stats[slot] = SlotStats()
+    stats.last_step = int(m.group(1))
+    stats.last_step_line = (source, number)
+    stats.last_step_text = text[:300]
+    stamp = parse_stamp(text)
+    if stamp is not None:
+        stats.last_stamp = stamp
+    return True
+
+
+def scan(sources: tuple[Source, ...], matcher: Matcher, progress: Callable[[int], None] | None = None) -> ScanResult:
+    """The straightforward path: every line through LineScanner."""
+    result = new_result(sources)
+    for source in sources:
+        index = SourceIndex()
+        result.indexes.append(index)
+        lines = _until_unreadable(_lines_with_spool(source, index), result)
+        head = list(islice(lines, DIALECT_SAMPLE))
+        scanner = LineScanner(result, source, index, matcher, Dialect.detect(clean(decode(raw)) for _, raw in head))
+        number = 0
+        for offset, raw in _chain(head, lines):
+            number += 1
+            scanner.line(number, offset, raw)
+            if progress is not None and number % 65536 == 0:
+                progress(offset)
+        scanner.close()
     return result
-
-
-def _note(result: ScanResult, source: int, number: int, part: Part, matcher: Matcher, seq: int,
-          per_rule_slot: dict) -> None:
-    text = part.text
-    slot = part.slot
-    if part.block_id >= 0:
-        first = result.blocks.get(part.block_id)
-        result.blocks[part.block_id] = (source, first[1] if first else number, number)
-    if not text:
-        return
-    launcher_slot = result.slots.fixed(StreamKind.LAUNCHER)
-    if slot == launcher_slot and len(result.launcher_lines) < MAX_LAUNCHER_LINES:
-        result.launcher_lines.append((source, number, text))
-    elif slot == result.slots.fixed(StreamKind.PROBE):
-        result.probes.append((source, number, slot, text))
-    elif slot == result.slots.fixed(StreamKind.BANNER) and len(result.banner_lines) < 200:
-        result.banner_lines.append(text)
-    if ("orld" in text or "ORLD" in text) and len(text) < 4000:
-        m = _WORLD.search(text)
-        if m:
-            value = int(m.group(1) or m.group(2))
-            if 0 < value <= 1_000_000:
-                result.world_size = max(result.world_size or 0, value)
-    if ("tep" in text or "ter" in text) and len(text) < 2000:
-        m = _STEP.search(text)
-        if m:
-            stats = result.stats.setdefault(slot, SlotStats())
-            stats.last_step = int(m.group(1))
-            stats.last_step_line = (source, number)
-            stats.last_step_text = text[:300]
-            stamp = parse_stamp(text)
-            if stamp is not None:
-                stats.last_stamp = stamp
-    for hit in matcher.match(text):
-        key = (hit.rule.id, slot)
-        count = per_rule_slot.get(key, 0)
-        per_rule_slot[key] = count + 1
-        if count >= MAX_FINDINGS_PER_RULE_SLOT:
-            result.skipped_hits += 1
-            continue
-        result.hits.append(Hit(hit.rule, hit.captures, source, number, slot, text, part.block_id, seq,
-                               parse_stamp(text)))
 
 
 def _lines_with_spool(source: Source, index: SourceIndex):
@@ -184,6 +219,16 @@ def _lines_with_spool(source: Source, index: SourceIndex):
         spool.write(raw)
         spool.write(b"\n")
         yield offset, raw
+
+
+def _until_unreadable(lines, result: ScanResult):
+    """The lines up to a read error (corrupt or truncated compressed data, an I/O error); the
+    error becomes a problem of the report and the source counts as unreadable."""
+    try:
+        yield from lines
+    except InputError as exc:
+        result.problems.append(str(exc))
+        result.unreadable.append(str(exc))
 
 
 def _chain(head, rest):
