@@ -24,6 +24,7 @@ EXIT_CODES = """exit codes:
   1    subcommand-specific failure (triage test: a case failed; lint: findings at --fail-on)
   2    bad usage: unknown option, bad value
   3    unreadable input: missing file, permission denied, corrupt .gz, a directory with no logs
+       (a corrupt or truncated .gz still gets its report, on the lines before the damage)
   4    a rule file in the catalog is malformed (with --strict-catalog, or `triage catalog check`)
   5    the incident store cannot be opened or written
   130  interrupted (Ctrl-C)"""

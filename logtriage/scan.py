@@ -83,6 +83,7 @@ class ScanResult:
     block_slots: dict[int, int] = field(default_factory=dict)
     block_kinds: dict[int, str] = field(default_factory=dict)
     block_exceptions: dict[int, str] = field(default_factory=dict)
+    block_collectives: dict[int, str] = field(default_factory=dict)   # the c10d call a traceback was in
     indexes: list[SourceIndex] = field(default_factory=list)
     input_lines: int = 0
     fragments: int = 0
@@ -136,6 +137,7 @@ class LineScanner:
             result.block_slots[block_id] = slot
             result.block_kinds[block_id] = kind.value
         result.block_exceptions.update(assigner.exceptions)
+        result.block_collectives.update(assigner.collectives)
         result.input_lines += self.lines
 
     def _note(self, number: int, part: Part) -> None:

@@ -14,8 +14,8 @@ import argparse
 import os
 import sys
 
-from logtriage.api import TriageOptions, triage
-from logtriage.errors import UsageError
+from logtriage.api import TriageOptions, run_triage
+from logtriage.errors import InputError, UsageError
 from logtriage.report import FORMATS, render
 
 
@@ -44,17 +44,24 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--redact takes hosts, paths, ips (got {', '.join(sorted(bad))})")
     options = TriageOptions(tuple(args.patterns), args.strict_catalog, not args.no_redact, extra,
                             progress=_progress_bar())
-    report = triage(inputs, options)
+    run = run_triage(inputs, options)
     color = args.color == "always" or (args.color == "auto" and not args.output and sys.stdout.isatty()
                                        and not os.environ.get("NO_COLOR"))
-    text = render(report, args.format, color=color)
+    text = render(run.report, args.format, color=color)
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as out:
-            out.write(text)
+        try:
+            with open(args.output, "w", encoding="utf-8") as out:
+                out.write(text)
+        except OSError as exc:
+            raise UsageError(f"{args.output}: cannot write the report ({exc.strerror or exc})") from None
     else:
         sys.stdout.write(text)
         sys.stdout.flush()
-    return 0
+    # A corrupt or truncated input still gets its report (on the lines before the damage), then
+    # the exit code says the input was not wholly readable.
+    for problem in run.scan.unreadable:
+        print(f"triage: warning: {problem}; the report covers the lines before it", file=sys.stderr)
+    return InputError.exit_code if run.scan.unreadable else 0
 
 
 def _progress_bar():
