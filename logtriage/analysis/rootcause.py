@@ -132,9 +132,17 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
     ranks = _ranks(group)
     reasons = []
     rank = first.rank
+    if not ranks and len(group) >= 2 and len(group) == len(facts.known):
+        ranks = tuple(sorted(facts.known))  # one unprefixed copy per rank (before the process group existed)
     if len(ranks) > 1:
         reasons.append(f"the same error on {len(ranks)} ranks: a code or data bug shared by all")
-        rank = _refine_rank(first, live, ranks) if _refine_rank(first, live, ranks) is not None else min(ranks)
+        if len({f.text for f in group}) == 1:
+            rank = min(ranks)  # the very same line everywhere: no rank went first
+        elif rank is None:
+            rank = min(ranks)
+        refined = _refine_rank(first, live, ranks)
+        if refined is not None:
+            rank = refined
     elif rank is None:
         rank = _rank_from_exit_codes(facts)
         if rank is not None:
@@ -156,6 +164,8 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
 def _refine_rank(first: Finding, live: list[Finding], ranks: tuple[int, ...]) -> int | None:
     """Among ranks sharing one error, an earlier single-rank sign of the same kind names the
     culprit (e.g. the rank whose loss went NaN first before every rank's grad-norm check failed)."""
+    if first.category is not Category.NUMERICAL:
+        return None
     signs = [f for f in live if f.category is first.category and f.rank is not None
              and f.signature != first.signature and f.role is not Role.CASCADE_CANDIDATE]
     if not signs:
@@ -223,12 +233,27 @@ def _missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: Rank
         only = next(iter(timed_out))
         return RootCause(first.rule, first, only, (only,), 0.4, (
             f"rank {only} is the only rank in this log, and it timed out in a collective",))
+    odd = _odd_collective(timeouts)
+    if odd is not None:
+        return RootCause(first.rule, first, odd, (odd,), 0.5, (
+            f"every rank timed out, but rank {odd} waited in a different collective from all the others",))
     behind = _behind(facts, timed_out)
     if behind is not None:
         return RootCause(first.rule, first, behind, (behind,), 0.4, (
             f"every rank timed out; rank {behind} was behind the others (lowest last step)",))
     return RootCause(first.rule, first, None, tuple(sorted(timed_out)), 0.35,
                      ("every rank timed out and nothing in the log tells them apart",))
+
+
+def _odd_collective(timeouts: list[Finding]) -> int | None:
+    """All ranks timed out: the one waiting in another collective (all_reduce while the rest sit
+    in barrier) is the one whose code took a different path."""
+    by_rank = {f.rank: f.collective for f in timeouts if f.rank is not None and f.collective}
+    names = list(by_rank.values())
+    if len(by_rank) < 3:
+        return None
+    odd = [r for r, name in by_rank.items() if names.count(name) == 1]
+    return odd[0] if len(odd) == 1 and len(set(names)) == 2 else None
 
 
 def _behind(facts: RankFacts, ranks: set[int]) -> int | None:

@@ -22,6 +22,7 @@ _RANK_MARKERS = (
     re.compile(r"(?:^|[\s,(|])(?:global_)?rank\s*[=:]\s*(\d{1,9})\b", re.IGNORECASE),
     re.compile(r"^\s*rank\s*(\d{1,9})\s*[:|\]]", re.IGNORECASE),
 )
+_COLLECTIVE_FRAME = re.compile(r'distributed_c10d\.py", line \d+, in (\w+)')
 _EXCEPTION_START = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): ")
 _ERROR_RECORD = re.compile(r"\b(?:ERROR|CRITICAL|FATAL|Exception|exception)\b")
 _LAUNCHER_FRAME = re.compile(
@@ -72,6 +73,7 @@ class Assigner:
         self.pending_rule: int | None = None
         self.blocks: dict[int, tuple[B.BlockKind, int]] = {}   # block id -> (kind, slot)
         self.exceptions: dict[int, str] = {}                    # traceback block id -> exception line
+        self.collectives: dict[int, str] = {}                   # traceback block id -> c10d function
 
     # -- public -------------------------------------------------------------------------------
     def feed(self, line: str) -> list[Part]:
@@ -182,6 +184,10 @@ class Assigner:
         return self._part(slot, text, block.block_id)
 
     def _watch_block_line(self, block: Block, text: str) -> None:
+        if block.kind is B.BlockKind.TRACEBACK and "distributed_c10d.py" in text:
+            m = _COLLECTIVE_FRAME.search(text)
+            if m:
+                block.state["collective"] = m.group(1)
         if block.kind is B.BlockKind.TRACEBACK and block.bare and _LAUNCHER_FRAME.search(text):
             block.state["launcher"] = True
         if block.kind is B.BlockKind.CHILD_FAILED:
@@ -194,6 +200,8 @@ class Assigner:
         exception = block.state.get("exception", "")
         if exception:
             self.exceptions[block.block_id] = exception
+        if block.state.get("collective"):
+            self.collectives[block.block_id] = block.state["collective"]
         becomes_cfe = bool(L.CFE_START.search(exception))
         if block.bare:
             self.slots.redirect[block.slot] = self._bare_owner(block, exception, becomes_cfe)
