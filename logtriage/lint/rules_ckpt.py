@@ -34,8 +34,8 @@ def check_save_on_every_rank(pf: PyFile) -> Iterator[Hit]:
         return
     for site in pf.regions.calls:
         dest = _save_dest(pf, site.call)
-        if dest is None or site.guard is not None and (
-                innermost(site.guard, GuardKind.RANK) or innermost(site.guard, GuardKind.SINGLE)):
+        guarded = innermost(site.guard, GuardKind.RANK) or innermost(site.guard, GuardKind.SINGLE)
+        if dest is None or guarded:
             continue
         if not pf.graph.reached_by_all(site.scope) or _in_memory(pf, dest, site):
             continue
