@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -160,3 +162,21 @@ def test_output_file_and_rule_list(tmp_path, capsys) -> None:
 def test_other_files_are_not_linted(tmp_path, capsys, name) -> None:
     write(tmp_path, name, "torchrun train.py\n")
     assert lint(capsys, str(tmp_path))[1] == "No findings in 0 file(s).\n"
+
+
+def test_linting_imports_neither_torch_nor_the_linted_code(tmp_path) -> None:
+    marker = tmp_path / "ran.txt"
+    write(tmp_path, "side_effect.py", f"open({str(marker)!r}, 'w').write('imported')\n" + BUGGY)
+    code = ("import sys; from logtriage.lint import lint_paths; "
+            f"r = lint_paths([{str(tmp_path)!r}]); "
+            "print(len(r.findings), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parent.parent).stdout
+    assert out.split() == ["1", "False"] and not marker.exists()
+
+
+def test_unreadable_files_are_problems_not_crashes(tmp_path, capsys) -> None:
+    (tmp_path / "latin1.py").write_bytes(b"x = '\xe9'\n")
+    write(tmp_path, "ok.py", BUGGY)
+    code, out, err = lint(capsys, str(tmp_path))
+    assert code == 1 and "latin1.py:0: cannot read" in err and out.endswith("in 1 file(s).\n")
