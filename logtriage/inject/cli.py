@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from logtriage.errors import UsageError
@@ -123,8 +124,6 @@ def _run(args: argparse.Namespace) -> int:
                   "interpreter's paths", file=sys.stderr)
         for plan in plans:
             if args.timeout:
-                from dataclasses import replace
-
                 plan = replace(plan, timeout_s=args.timeout)
             reason = registry.skip_reason(plan, machine)
             if reason:

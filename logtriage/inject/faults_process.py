@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from logtriage.inject.model import (Backend, CodeBug, Expectation, Launcher, RankRef, RankSet,
-                                    Scenario, Variant, Verdict)
+from logtriage.inject.model import (Backend, Expectation, RankRef, RankSet, Scenario, Variant,
+                                    Verdict)
 from logtriage.inject.noise import RANK_EXCEPTION_NOISE
 
 FAILED = Verdict.FAILED

@@ -8,7 +8,7 @@ resolves it into a ``ResolvedExpectation`` with concrete rank numbers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 from logtriage.catalog.rule import Category
@@ -171,7 +171,6 @@ class Scenario:
     min_gpus: int = 0                   # 0: one GPU per rank when CUDA is needed
     code_bugs: tuple[CodeBug, ...] = ()
     timeout_s: float = 120.0
-    tags: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         names = [v.name for v in self.variants]

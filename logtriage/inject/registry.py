@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 from logtriage.errors import UsageError
 from logtriage.inject import faults_collective, faults_gpu, faults_process, faults_state
@@ -32,7 +33,7 @@ def get_scenario(name: str) -> Scenario:
     raise UsageError(f"unknown scenario {name!r}; known: {known}")
 
 
-def script_path(scenario: Scenario):
+def script_path(scenario: Scenario) -> Path:
     return SCENARIO_DIR / scenario.script
 
 
