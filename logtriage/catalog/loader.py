@@ -61,7 +61,7 @@ def load_catalog(extra_dirs: Iterable[str | os.PathLike] = (), include_builtin: 
     sources = ([(builtin_dir(), True)] if include_builtin else []) + [(d, False) for d in user_dirs(extra_dirs)]
     for directory, builtin in sources:
         if not directory.is_dir():
-            problems.append(f"{directory}: rules directory not found")
+            problems.append(f"{_shown(directory)}: rules directory not found")
             continue
         seen_here: dict[str, str] = {}
         for path in sorted(directory.rglob("*.toml")):
@@ -70,9 +70,9 @@ def load_catalog(extra_dirs: Iterable[str | os.PathLike] = (), include_builtin: 
                 continue
             rule_id = compiled.rule.id
             if rule_id in seen_here:
-                problems.append(f"{path}:{_line_of(path, 'id')}: duplicate id '{rule_id}' (also in {seen_here[rule_id]})")
+                problems.append(f"{_shown(path)}:{_line_of(path, 'id')}: duplicate id '{rule_id}' (also in {seen_here[rule_id]})")
                 continue
-            seen_here[rule_id] = str(path)
+            seen_here[rule_id] = _shown(path)
             by_id[rule_id] = compiled
     return Catalog(tuple(by_id.values()), tuple(problems))
 
@@ -82,22 +82,27 @@ def _load_file(path: Path, builtin: bool, problems: list[str]) -> CompiledRule |
         text = path.read_text(encoding="utf-8")
         data = tomllib.loads(text)
     except (OSError, UnicodeDecodeError) as exc:
-        problems.append(f"{path}:1: cannot read: {exc}")
+        problems.append(f"{_shown(path)}:1: cannot read: {exc}")
         return None
     except tomllib.TOMLDecodeError as exc:
         line = getattr(exc, "lineno", None) or _toml_error_line(str(exc))
-        problems.append(f"{path}:{line}: invalid TOML: {exc}")
+        problems.append(f"{_shown(path)}:{line}: invalid TOML: {exc}")
         return None
     try:
-        rule = Rule.from_dict(data, str(path))
+        rule = Rule.from_dict(data, _shown(path))
     except RuleValueError as exc:
-        problems.append(f"{path}:{_line_in(text, exc.key)}: {exc}")
+        problems.append(f"{_shown(path)}:{_line_in(text, exc.key)}: {exc}")
         return None
     try:
         return compile_rule(rule, allow_fallback=not builtin)
     except PatternError as exc:
-        problems.append(f"{path}:{_pattern_line(text, exc.pattern)}: {rule.id}: {exc}")
+        problems.append(f"{_shown(path)}:{_pattern_line(text, exc.pattern)}: {rule.id}: {exc}")
         return None
+
+
+def _shown(path: Path) -> str:
+    """A path for messages: bytes of a non-UTF-8 file name as \\xNN (JSON cannot hold surrogates)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def _line_in(text: str, key: str) -> int:

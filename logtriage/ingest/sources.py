@@ -71,14 +71,23 @@ def discover(inputs: Iterable[str]) -> Discovery:
             if not found:
                 raise InputError(f"{given}: folder holds no readable log files")
             for name, file_path, hints in found:
-                sources.append(Source(len(sources), name, file_path, *hints))
+                sources.append(Source(len(sources), display_name(name), file_path, *hints))
         else:
             if not os.access(path, os.R_OK):
                 raise InputError(f"{given}: permission denied")
-            sources.append(Source(len(sources), given, path))
+            sources.append(Source(len(sources), display_name(given), path))
     if not sources:
         raise InputError("no input: give a log file, a folder, or '-' for standard input")
-    return Discovery(tuple(sources), tuple(skipped))
+    return Discovery(tuple(sources), tuple(display_name(s) for s in skipped))
+
+
+def display_name(name: str) -> str:
+    """A path as reports show it. A file name that is not UTF-8 reaches Python with surrogate
+    escapes, which no UTF-8 output (JSON, a report file) can hold: its bytes are shown as \\xNN."""
+    try:
+        return os.fsencode(name).decode("utf-8", "backslashreplace")
+    except UnicodeError:
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _walk_folder(root: Path, given: str, skipped: list[str]):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from logtriage.report.model import Report
-from logtriage.report.safe import markdown_code_block, markdown_inline as md
+from logtriage.report.safe import markdown_code_block, markdown_code_span as code, markdown_inline as md
 from logtriage.report.text import ranges
 
 
@@ -16,7 +16,7 @@ def render_markdown(report: Report) -> str:
         who = f"ranks {ranges(rc.ranks)}" if len(rc.ranks) > 1 else (f"rank {rc.rank}" if rc.rank is not None else "launcher")
         out += [f"## triage: {report.verdict} — {md(who)}: {md(rc.title)}", ""]
         out += ["| | |", "|---|---|",
-                f"| rule | `{md(rc.rule_id)}` |", f"| category | {md(rc.category)} |",
+                f"| rule | {code(rc.rule_id)} |", f"| category | {md(rc.category)} |",
                 f"| rank(s) | {md(who)} |"]
         if rc.exception_type:
             out.append(f"| exception | {md(rc.exception_type)} |")
@@ -32,7 +32,7 @@ def render_markdown(report: Report) -> str:
         out += ["", "### Causal chain", "", "| # | role | ranks | rule | line | text |", "|---|---|---|---|---|---|"]
         for i, c in enumerate(report.chain, 1):
             ranks = ranges(c.ranks) if c.ranks else "—"
-            out.append(f"| {i} | {c.role} | {md(ranks)} | `{md(c.rule_id)}` | {c.line} | {md(c.text[:160])} |")
+            out.append(f"| {i} | {c.role} | {md(ranks)} | {code(c.rule_id)} | {c.line} | {md(c.text[:160])} |")
     if report.ranks:
         out += ["", "### Ranks", "", "| rank | status | role | lines | last step | first error |",
                 "|---|---|---|---|---|---|"]

@@ -14,6 +14,30 @@ def terminal_safe(text: str) -> str:
     return _UNSAFE.sub(lambda m: m.group(0).encode("unicode_escape").decode("ascii"), text)
 
 
+# Our own colour codes (report/text.py Style): SGR only, digits and semicolons.
+_OWN_SGR = re.compile(r"(\x1b\[[0-9;]*m)")
+
+
+def terminal_safe_document(document: str, keep_colour: bool = False) -> str:
+    """A whole rendered document made terminal-safe line by line, whatever slipped into it (a file
+    name, a rule's title); with keep_colour, SGR colour codes (ours) survive and nothing else."""
+    lines = document.split("\n")
+    if not keep_colour:
+        return "\n".join(terminal_safe(line) for line in lines)
+    return "\n".join("".join(piece if _OWN_SGR.fullmatch(piece) else terminal_safe(piece)
+                             for piece in _OWN_SGR.split(line)) for line in lines)
+
+
+def markdown_code_span(text: str) -> str:
+    """Text as an inline code span inside a table cell: nothing inside is markup, so no
+    backslash escapes, except `|`, which GFM tables split on even inside code."""
+    text = terminal_safe(text).replace("|", "\\|")
+    longest = max((len(m.group(0)) for m in re.finditer(r"`+", text)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
 def markdown_inline(text: str) -> str:
     """Text for a Markdown table cell or paragraph: no HTML, no table breaks, no stray markup."""
     text = terminal_safe(text)

@@ -7,7 +7,7 @@ import re
 import textwrap
 
 from logtriage.report.model import RankRow, Report
-from logtriage.report.safe import terminal_safe
+from logtriage.report.safe import terminal_safe, terminal_safe_document
 
 _MASK = re.compile(r"\d+")
 WIDTH = 100
@@ -89,7 +89,7 @@ def render_text(report: Report, color: bool = False) -> str:
                                         for ln in _wrapped(n, "  - ")]
     out += ["", s.dim(f"{report.input_lines} lines read from {len(report.sources)} source(s); "
                       f"{report.unattributed_lines} not attributable to a rank or the launcher")]
-    return "\n".join(out) + "\n"
+    return terminal_safe_document("\n".join(out), keep_colour=color) + "\n"
 
 
 def _who(rank: int | None, ranks: tuple[int, ...]) -> str:
