@@ -56,7 +56,7 @@ _FQDN_TLDS = ("com|net|org|edu|gov|io|ai|cloud|internal|local|lan|corp|intra|clu
 # Public sites whose names identify nobody (documentation links, model hubs, package hosting).
 _PUBLIC_DOMAINS = re.compile(r"(?i)(?:^|\.)(?:github\.com|githubusercontent\.com|pytorch\.org|huggingface\.co|"
                              r"nvidia\.com|python\.org|readthedocs\.io|wandb\.ai|google\.com|microsoft\.com|"
-                             r"amazonaws\.com|stackoverflow\.com|docker\.io|anaconda\.org|example\.com)$")
+                             r"amazonaws\.com|stackoverflow\.com|docker\.io|anaconda\.org)$")
 _LOCAL = re.compile(r"(?i)^(?:localhost(?:\.localdomain)?|127(?:\.\d{1,3}){3}|0\.0\.0\.0|::1?|\[::1?\]|ip6-localhost)$")
 _IPV4 = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?:\.(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)){3}"
 _IP_LITERAL = re.compile(rf"^(?:{_IPV4}|[0-9A-Fa-f:]*:[0-9A-Fa-f:.]*)$")
@@ -74,7 +74,7 @@ _PATTERNS: tuple[tuple[str, str, str | None], ...] = (
     ("netrc_password", r"(?P<ne_head>(?i:\bmachine\s+\S+\s+login\s+\S+\s+password)\s+)\S+", None),
     ("assignment", rf"(?P<as_name>(?<![\w.-])(?:--?)?[\"']?{_SECRET_NAME}[\"']?)"
                    r"(?P<as_sep>\s*[=:]\s*)"
-                   r"(?:(?P<as_q>[\"'])(?P<as_qval>[^\"'\n]*)(?P=as_q)|(?P<as_val>\[REDACTED:\w+\]|[^\s'\"}\])&]+))", None),
+                   r"(?:(?P<as_q>[\"'])(?P<as_qval>[^\"'\n]*)(?P=as_q)|(?P<as_val>\[REDACTED:\w+\]|(?![\w.-]+[=:][^=\s])[^\s'\"}\])&]+))", None),
     ("flag", r"(?P<fl_name>(?<![\w-])--[\w-]*?(?i:token|secret|password|passwd|api[_-]?key|[_-]key))\s+"
              r"(?![-\"'])(?P<fl_val>[^\s'\"]+)", None),
     *((kind, expr, None) for kind, expr in _TOKENS),
@@ -119,7 +119,8 @@ def _mark(kind: str) -> str:
 
 
 _NAME_KINDS = (("aws_secret", "aws_secret_key"), ("wandb", "wandb_key"), ("hf_", "hf_token"),
-               ("hugging", "hf_token"), ("openai", "openai_key"), ("github", "github_token"), ("pass", "password"))
+               ("hugging", "hf_token"), ("openai", "openai_key"), ("github", "github_token"), ("pass", "password"),
+               ("private", "private_key"))
 
 
 def _kind_by_name(name: str) -> str:
