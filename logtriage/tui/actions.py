@@ -1,0 +1,356 @@
+"""What the keys do: choose the view (a stream, all streams, a split), move between findings and
+search matches, filter, follow, export, explain. A mixin of `TriageApp` (app.py holds the
+layout and the loading); the work on many lines runs in worker threads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from textual import work
+from textual.worker import get_current_worker
+
+from logtriage.errors import TriageError
+from logtriage.tui.model.align import split_rows
+from logtriage.tui.model.export import export_markdown
+from logtriage.tui.model.search import Query, matching_gids
+from logtriage.tui.model.streams import Mark, Status
+from logtriage.tui.model.views import Mode, View
+from logtriage.tui.widgets.canvas import LineCanvas
+from logtriage.tui.widgets.findings import FindingsPanel
+from logtriage.tui.widgets.panels import PromptBar
+from logtriage.tui.widgets.rank_list import RankList
+from logtriage.tui.widgets.rule_screen import RuleScreen
+from logtriage.tui.widgets.split_view import SplitView
+
+PALETTE = ("#5fafff", "#87d787", "#ffaf5f", "#d787ff", "#5fd7d7", "#ffd75f", "#ff87af", "#afaf87",
+           "#87afff", "#d7af87", "#5fd787", "#af87d7")
+OTHER_LABELS = {"launcher": ("lnch", "grey62"), "banner": ("bnr", "grey50"), "probe": ("prb", "grey50"),
+                "unattributed": ("?", "grey42")}
+
+
+class ViewActions:
+    """Mixed into TriageApp; uses its state (store, triaged, mode, stream, filter, query...)."""
+
+    # --- views -------------------------------------------------------------------------------
+    def _base_view(self) -> View:
+        t = self.triaged
+        if self.view_mode is Mode.STREAM and t is not None and self.stream is not None:
+            row = t.rows[self.stream]
+            view = View.of(f"{row.label} · {row.status.value}", t.stream_gids(self.stream))
+        elif self.merged_order is not None and len(self.merged_order) == self.store.total:
+            view = View.of("all streams, by time", self.merged_order, ordered=False)
+        else:
+            view = View.every_line("all streams, input order" if t else "all lines (triage running)", self.store.total)
+        if self.errors_only and t is not None:
+            view = view.subset(f"{view.title} · errors only", t.errors)
+        return view
+
+    def _apply_view(self, keep_gid: int | None) -> None:
+        view = self._base_view()
+        if self.filter is not None:
+            self._filter_worker(view, self.filter, keep_gid)
+        else:
+            self._show_view(view, keep_gid)
+
+    def _show_view(self, view: View, keep_gid: int | None) -> None:
+        log = self.log_view
+        t = self.triaged
+        log.marks = t.marks if t is not None else {}
+        log.stream_label = self._label_of if (t is not None and self.view_mode is Mode.ALL) else None
+        log.search = self.search_query
+        log.show(self.store, view, keep_gid)
+        self._titled(log, view.title, f"{view.count:,} lines")
+        self.match_rows = np.empty(0, np.int64)
+        if self.search_query is not None:
+            self._search_worker(view, self.search_query, False)
+        self._status()
+
+    def _label_of(self, gid: int) -> tuple[str, str]:
+        stream = self.triaged.stream_at(gid)
+        if stream is None:
+            return "", ""
+        key = self.triaged.rows[stream].key
+        if key.kind.value == "rank":
+            return f"r{key.rank}" + (f".{key.attempt}" if key.attempt else ""), PALETTE[key.rank % len(PALETTE)]
+        return OTHER_LABELS.get(key.kind.value, ("", ""))
+
+    def _show_stream(self, stream: int | None, gid: int | None) -> None:
+        """Select a stream in the rank list and show it, the cursor on `gid` (filters that hide
+        that line are dropped)."""
+        self._leave_split()
+        self.view_mode = Mode.STREAM if stream is not None else Mode.ALL
+        self.stream = stream
+        if stream is not None:
+            self.query_one("#ranks", RankList).select(stream)
+        view = self._base_view()
+        if gid is not None and view.row_of(gid) is None:
+            self.errors_only = False
+            view = self._base_view()
+        if self.filter is not None and gid is not None:
+            self.filter = None
+            self.notify("filter cleared to show that line", timeout=3)
+        if self.filter is not None:
+            self._filter_worker(view, self.filter, gid)
+        else:
+            self._show_view(view, gid)
+
+    def goto_gid(self, gid: int) -> None:
+        row = self.log_view.view.row_of(gid) if self.view_mode is not Mode.SPLIT else None
+        if row is not None:
+            self.log_view.goto_row(row)
+            return
+        self._show_stream(self.triaged.stream_at(gid) if self.triaged else None, gid)
+
+    # Handlers by name: Textual collects @on decorators only from App subclasses, not from mixins.
+    def on_rank_list_chosen(self, event: RankList.Chosen) -> None:
+        t = self.triaged
+        if t is None:
+            return
+        if self.view_mode is Mode.SPLIT:
+            if event.stream != self.pinned:
+                self._split_worker(self.pinned, event.stream)
+            return
+        if event.stream != self.stream or self.view_mode is not Mode.STREAM:
+            gids = t.stream_gids(event.stream)
+            errors = [g for g in gids[np.isin(gids, t.errors)].tolist() if t.marks.get(g) not in (None, Mark.CONTEXT)]
+            target = errors[0] if errors else (int(gids[-1]) if len(gids) else None)
+            self._show_stream(event.stream, target)
+        if event.activated:
+            self.log_view.focus()
+
+    def on_line_canvas_cursor_moved(self, event: LineCanvas.CursorMoved) -> None:
+        if event.by_user and self.triaged is None:
+            self.steered = True
+        self._status()
+
+    def on_findings_panel_chosen(self, event: FindingsPanel.Chosen) -> None:
+        self.goto_gid(event.finding.gid)
+        self.log_view.focus()
+
+    # --- keys: findings and the root cause ---------------------------------------------------
+    def action_root_cause(self) -> None:
+        t = self.triaged
+        if t is None:
+            self.notify("the triage is still running", timeout=3)
+            return
+        if t.root_stream is None and t.root_gid is None:
+            self.notify("no root cause: the run did not fail", timeout=3)
+            return
+        self._show_stream(t.root_stream, t.root_gid)
+
+    def action_next_finding(self) -> None:
+        self._finding_step(1)
+
+    def action_previous_finding(self) -> None:
+        self._finding_step(-1)
+
+    def _finding_step(self, direction: int) -> None:
+        if self.triaged is None or self.view_mode is Mode.SPLIT:
+            return
+        log = self.log_view
+        rows = log.view.rows_of(np.array(sorted(self.triaged.marks), np.int64))
+        self._row_step(rows, direction, "finding")
+
+    def _row_step(self, rows: np.ndarray, direction: int, what: str) -> None:
+        log = self.log_view
+        ahead = rows[rows > log.cursor] if direction > 0 else rows[rows < log.cursor][::-1]
+        if len(ahead):
+            log.goto_row(int(ahead[0]), by_user=True)
+        elif len(rows):
+            log.goto_row(int(rows[0] if direction > 0 else rows[-1]), by_user=True)
+            self.notify(f"{what}s wrapped around", timeout=2)
+        else:
+            self.notify(f"no {what} in this view", timeout=2)
+
+    # --- keys: search and filter ---------------------------------------------------------------
+    def action_search(self) -> None:
+        if self.view_mode is Mode.SPLIT:
+            self.notify("search works in the log view (s leaves the split)", timeout=3)
+            return
+        self.query_one("#prompt", PromptBar).ask("search", "search /", self.search_query.text if self.search_query else "")
+
+    def action_filter(self) -> None:
+        if self.view_mode is Mode.SPLIT:
+            return
+        self.query_one("#prompt", PromptBar).ask("filter", "show lines matching &", self.filter.text if self.filter else "")
+
+    def action_next_match(self) -> None:
+        self._row_step(self.match_rows, 1, "match")
+
+    def action_previous_match(self) -> None:
+        self._row_step(self.match_rows, -1, "match")
+
+    def action_errors_only(self) -> None:
+        if self.triaged is None:
+            self.notify("errors are known when the triage is done", timeout=3)
+            return
+        self.errors_only = not self.errors_only
+        self._apply_view(self.log_view.cursor_gid())
+
+    def on_prompt_bar_answered(self, event: PromptBar.Answered) -> None:
+        self.log_view.focus()
+        if event.value is None:
+            return
+        text = event.value
+        if event.purpose == "search":
+            self.search_query = Query.parse(text) if text else None
+            self.log_view.search = self.search_query
+            self.log_view.redraw()
+            self.match_rows = np.empty(0, np.int64)
+            if self.search_query is not None:
+                self._search_worker(self.log_view.view, self.search_query, True)
+            self._status()
+        elif event.purpose == "filter":
+            self.filter = Query.parse(text) if text else None
+            self._apply_view(self.log_view.cursor_gid())
+        elif event.purpose == "export":
+            self._export(text)
+
+    @work(thread=True, exclusive=True, group="search", exit_on_error=False)
+    def _search_worker(self, view: View, query: Query, jump: bool) -> None:
+        worker = get_current_worker()
+        store = self.store.snapshot()
+        self.searching = 0
+        gids = matching_gids(store, view, query, lambda done, total: setattr(self, "searching", 100 * done // total),
+                             lambda: worker.is_cancelled)
+        if gids is not None and not worker.is_cancelled:
+            self.call_from_thread(self._install_matches, view, query, gids, jump)
+
+    def _install_matches(self, view: View, query: Query, gids: np.ndarray, jump: bool) -> None:
+        self.searching = None
+        if view is not self.log_view.view or query is not self.search_query:
+            return
+        self.match_rows = view.rows_of(gids) if view.ordered else np.sort(view.rows_of(gids))
+        if jump and len(self.match_rows):
+            at = self.match_rows[self.match_rows >= self.log_view.cursor]
+            self.log_view.goto_row(int(at[0] if len(at) else self.match_rows[0]), by_user=True)
+        self._status()
+
+    def _search_status(self) -> str:
+        if self.searching is not None:
+            return f"search /{self.search_query.text}/ {self.searching}%…"
+        rows = self.match_rows
+        total = len(rows)
+        at = int(np.searchsorted(rows, self.log_view.cursor))
+        here = f"{at + 1}/" if at < total and int(rows[at]) == self.log_view.cursor else ""
+        return f"search /{self.search_query.text}/: {here}{total:,} match{'es' if total != 1 else ''}"
+
+    @work(thread=True, exclusive=True, group="filter", exit_on_error=False)
+    def _filter_worker(self, view: View, query: Query, keep_gid: int | None) -> None:
+        worker = get_current_worker()
+        gids = matching_gids(self.store.snapshot(), view, query, None, lambda: worker.is_cancelled)
+        if gids is not None and not worker.is_cancelled:
+            filtered = view.subset(f"{view.title} · filter /{query.text}/", gids)
+            self.call_from_thread(self._install_filter, filtered, query, keep_gid)
+
+    def _install_filter(self, view: View, query: Query, keep_gid: int | None) -> None:
+        if query is self.filter:
+            self._show_view(view, keep_gid)
+
+    # --- keys: views ---------------------------------------------------------------------------
+    def action_merged(self) -> None:
+        if self.triaged is None:
+            return
+        keep = self.log_view.cursor_gid()
+        self._leave_split()
+        if self.view_mode is Mode.ALL:
+            self.view_mode = Mode.STREAM
+            self.stream = self.triaged.stream_at(keep) if keep is not None else self.triaged.root_stream
+            if self.stream is not None:
+                self.query_one("#ranks", RankList).select(self.stream)
+        else:
+            self.view_mode = Mode.ALL
+        self._apply_view(keep)
+
+    def action_split(self) -> None:
+        t = self.triaged
+        if t is None:
+            return
+        if self.view_mode is Mode.SPLIT:
+            self._show_stream(self.query_one("#split", SplitView).streams[1], None)
+            return
+        left = self.stream if self.stream is not None else t.root_stream
+        if left is None:
+            return
+        chosen = self.query_one("#ranks", RankList).cursor_row
+        right = chosen if chosen != left else self._partner(left)
+        self.view_mode = Mode.SPLIT
+        self.pinned = left
+        self.add_class("-split")
+        self._split_worker(left, right)
+
+    def _partner(self, left: int) -> int:
+        """The stream to compare with: the first other rank that failed, else the next rank."""
+        rows = self.triaged.rows
+        ranks = [i for i, r in enumerate(rows) if i != left and r.key.kind.value == "rank"]
+        failed = [i for i in ranks if rows[i].status in (Status.ROOT_CAUSE, Status.CASCADE, Status.FAILED)]
+        return (failed or ranks or [i for i in range(len(rows)) if i != left] or [left])[0]
+
+    def _leave_split(self) -> None:
+        if self.view_mode is Mode.SPLIT:
+            self.view_mode = Mode.STREAM
+            self.remove_class("-split")
+
+    @work(thread=True, exclusive=True, group="split", exit_on_error=False)
+    def _split_worker(self, left: int, right: int) -> None:
+        t = self.triaged
+        store = self.store.snapshot()
+        rows = split_rows(t.stream_gids(left), t.stream_gids(right), store.read_text)
+        if not get_current_worker().is_cancelled:
+            self.call_from_thread(self._install_split, left, right, rows)
+
+    def _install_split(self, left: int, right: int, rows) -> None:
+        if self.view_mode is not Mode.SPLIT:
+            return
+        split = self.query_one("#split", SplitView)
+        split.show(self.store, rows, (left, right), self.triaged.marks)
+        names = self.triaged.rows
+        self._titled(split, f"{names[left].label} │ {names[right].label}", f"aligned on {rows.basis.value}")
+        split.focus()
+        self._status()
+
+    # --- keys: follow, explain, export ---------------------------------------------------------
+    def action_follow(self) -> None:
+        self.following = not self.following
+        if self.following and self.view_mode is not Mode.SPLIT:
+            self.log_view.action_edge(1)
+        self.notify("tail on: following the file" if self.following else "tail off", timeout=2)
+        self._status()
+
+    def action_explain(self) -> None:
+        t = self.triaged
+        if t is None:
+            return
+        rule = None
+        panel = self.query_one("#findings", FindingsPanel)
+        if panel.has_focus and panel.current() is not None:
+            rule = panel.current().rule
+        elif self.view_mode is not Mode.SPLIT:
+            rule = t.rules.get(self.log_view.cursor_gid())
+        if rule is None and t.run.diagnosis.root is not None:
+            rule = t.run.diagnosis.root.rule
+        if rule is None:
+            self.notify("no finding here, and no root cause", timeout=3)
+            return
+        self.push_screen(RuleScreen(rule))
+
+    def action_export(self) -> None:
+        if self.triaged is None:
+            self.notify("the report is not ready yet", timeout=3)
+            return
+        stem = Path(self.inputs.names[0]).name.split(".")[0] or "run"
+        if stem.startswith("<"):
+            stem = "stdin"
+        self.query_one("#prompt", PromptBar).ask("export", "export Markdown to", f"{stem}.triage.md")
+
+    def _export(self, path: str) -> None:
+        if not path.strip():
+            return
+        try:
+            target = export_markdown(self.triaged.run.report, path.strip(), self.inputs.renames)
+        except TriageError as exc:
+            self.notify(str(exc), title="export failed", severity="error", markup=False)
+            return
+        self.exported = target
+        self.notify(f"report written to {target}", title="export", markup=False, timeout=4)

@@ -1,0 +1,1 @@
+"""What the viewer shows, as plain data: no Textual here (a test checks it)."""
