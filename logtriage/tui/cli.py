@@ -18,6 +18,7 @@ import sys
 
 from logtriage.api import TriageOptions
 from logtriage.errors import UsageError
+from logtriage.ingest.sources import discover
 from logtriage.tui.model.keys import keys_help
 
 __doc__ = __doc__ + "\n" + keys_help()
@@ -41,10 +42,13 @@ def run(args: argparse.Namespace) -> int:
         if sys.stdin.isatty():
             raise UsageError("give a log file, a folder, or pipe a log into `triage tui -` (see --help)")
         inputs = ["-"]
-    if not sys.stdout.isatty():
-        raise UsageError("triage tui draws on a terminal; for a report use `triage LOG`")
     if "-" in inputs and sys.stdin.isatty():
         raise UsageError("standard input is the terminal: pipe a log into `triage tui -`")
+    named = [name for name in inputs if name != "-"]
+    if named:
+        discover(named)                    # a missing or unreadable input: InputError, before the screen
+    if not sys.stdout.isatty():
+        raise UsageError("triage tui draws on a terminal; for a report use `triage LOG`")
     stdin = spool_stdin() if "-" in inputs else None
     try:
         resolved = resolve(inputs, stdin)
