@@ -8,7 +8,7 @@ from typing import Callable, Iterable, Sequence
 from logtriage.analysis.diagnose import Diagnosis, diagnose
 from logtriage.catalog.loader import Catalog, load_catalog
 from logtriage.catalog.matcher import Matcher
-from logtriage.errors import CatalogError
+from logtriage.errors import CatalogError, UsageError
 from logtriage.ingest.sources import discover
 from logtriage.report.build import build_report
 from logtriage.report.model import Report
@@ -22,6 +22,8 @@ class TriageOptions:
     redact: bool = True
     redact_extra: tuple[str, ...] = ()    # optional maskings: "hosts", "paths", "ips"
     progress: Callable[[int], None] | None = field(default=None, compare=False)
+    engine: str = "auto"                  # auto | fast | exact: the fast scan for big inputs
+    workers: int | None = None            # fast scan worker processes (None: one per core, at most 2)
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,12 @@ def run_triage(inputs: Sequence[str], options: TriageOptions = TriageOptions()) 
     if options.strict_catalog and catalog.problems:
         raise CatalogError(list(catalog.problems))
     discovery = discover(inputs)
-    result = scan(discovery.sources, Matcher(catalog), options.progress)
+    matcher = Matcher(catalog)
+    if _use_fast(options.engine, discovery.sources):
+        from logtriage.fastscan import fast_scan
+        result = fast_scan(discovery.sources, matcher, options.progress, options.workers)
+    else:
+        result = scan(discovery.sources, matcher, options.progress)
     result.problems[:0] = [f"skipped {s}" for s in discovery.skipped] + [f"rule problem: {p}" for p in catalog.problems]
     diag = diagnose(result, catalog)
     redactor, info = _redactor(options)
@@ -58,6 +65,24 @@ def run_triage(inputs: Sequence[str], options: TriageOptions = TriageOptions()) 
 
 def triage(inputs: Sequence[str], options: TriageOptions = TriageOptions()) -> Report:
     return run_triage(inputs, options).report
+
+
+FAST_SCAN_BYTES = 16 << 20
+
+
+def _use_fast(engine: str, sources) -> bool:
+    if engine in ("fast", "exact"):
+        return engine == "fast"
+    if engine != "auto":
+        raise UsageError(f"unknown engine '{engine}' (auto, fast, exact)")
+    size = 0
+    for source in sources:
+        if source.path is not None:
+            try:
+                size += source.path.stat().st_size
+            except OSError:
+                pass
+    return size >= FAST_SCAN_BYTES
 
 
 def _redactor(options: TriageOptions) -> tuple[Callable[[str], str], dict]:

@@ -58,7 +58,6 @@ class SlotStats:
     last_step: int | None = None
     last_step_line: tuple[int, int] | None = None
     last_step_text: str = ""
-    last_stamp: Stamp | None = None
 
 
 @dataclass
@@ -113,7 +112,8 @@ class LineScanner:
         self.banner_slot = result.slots.fixed(StreamKind.BANNER)
         self.lines = 0
 
-    def line(self, number: int, offset: int, raw: bytes) -> None:
+    def line(self, number: int, offset: int, raw: bytes, may_match: bool = True) -> None:
+        """Process one physical line. `may_match=False`: the caller proved no rule can match it."""
         result = self.result
         parts = self.assigner.feed(clean(decode(raw)))
         self.index.offsets.append(offset)
@@ -121,7 +121,7 @@ class LineScanner:
         result.fragments += len(parts) - 1
         for part in parts:
             result.seq += 1
-            self._note(number, part)
+            self._note(number, part, may_match)
         stats = result.stats.get(parts[0].slot)
         if stats is None:
             stats = result.stats[parts[0].slot] = SlotStats()
@@ -140,7 +140,7 @@ class LineScanner:
         result.block_collectives.update(assigner.collectives)
         result.input_lines += self.lines
 
-    def _note(self, number: int, part: Part) -> None:
+    def _note(self, number: int, part: Part, may_match: bool = True) -> None:
         result, text, slot = self.result, part.text, part.slot
         source = self.source.index
         if part.block_id >= 0:
@@ -163,7 +163,7 @@ class LineScanner:
                     result.world_size = max(result.world_size or 0, value)
         if ("tep" in text or "ter" in text) and len(text) < MAX_STEP_TEXT:
             note_step(result, slot, source, number, text)
-        for hit in self.matcher.match(text):
+        for hit in (self.matcher.match(text) if may_match else ()):
             key = (hit.rule.id, slot)
             count = result.per_rule_slot.get(key, 0)
             result.per_rule_slot[key] = count + 1
@@ -185,9 +185,6 @@ def note_step(result: ScanResult, slot: int, source: int, number: int, text: str
     stats.last_step = int(m.group(1))
     stats.last_step_line = (source, number)
     stats.last_step_text = text[:300]
-    stamp = parse_stamp(text)
-    if stamp is not None:
-        stats.last_stamp = stamp
     return True
 
 
@@ -217,10 +214,7 @@ def _lines_with_spool(source: Source, index: SourceIndex):
         return
     spool = tempfile.TemporaryFile()
     index.spool = spool
-    for offset, raw in iter_raw_lines(source):
-        spool.write(raw)
-        spool.write(b"\n")
-        yield offset, raw
+    yield from iter_raw_lines(source, tee=spool)
 
 
 def _until_unreadable(lines, result: ScanResult):

@@ -235,6 +235,23 @@ class Assigner:
         self.slots.redirect[pending] = self.slots.fixed(
             StreamKind.BANNER if banner else StreamKind.UNATTRIBUTED)
 
+    # -- for the fast path --------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        """No open block and no pending decision: the next plain line's slot depends on it alone."""
+        return self.block is None and self.pending_rule is None
+
+    def slot_for_rank(self, rank: int | None) -> int:
+        """The slot a plain line of this rank (None: no rank) gets."""
+        if rank is None:
+            return self.slots.fixed(StreamKind.UNATTRIBUTED)
+        return self._rank_slot(rank, "")
+
+    def after_plain_lines(self, last_slot: int) -> None:
+        """The state a run of plain lines leaves: they set last_slot and clear error records."""
+        self.last_slot = last_slot
+        self.error_record_slot = None
+
     # -- helpers ------------------------------------------------------------------------------
     def _rank_slot(self, rank: int, host: str) -> int:
         if self.attempt_hint is not None:

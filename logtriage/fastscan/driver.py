@@ -1,0 +1,183 @@
+"""The fast scan: read big chunks, classify their lines in compiled code and prefilter them with
+one RE2 pass, then merge in input order (merge.py). Chunks are analysed by a worker process
+while the main process merges the previous one, so both cores work on a big log."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import zlib
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Callable, Iterator
+
+import numpy as np
+
+from logtriage.catalog.matcher import Matcher
+from logtriage.demux.clean import clean, decode
+from logtriage.demux.prefixes import Dialect
+from logtriage.errors import InputError
+from logtriage.fastscan.merge import ChunkLines, merge_chunk
+from logtriage.ingest.reader import open_source
+from logtriage.ingest.sources import Source
+from logtriage.scan import DIALECT_SAMPLE, LineScanner, ScanResult, SourceIndex, new_result
+
+CHUNK_BYTES = 32 << 20
+_PREFILTER = None
+
+
+def fast_scan(sources: tuple[Source, ...], matcher: Matcher, progress: Callable[[int], None] | None = None,
+              workers: int | None = None) -> ScanResult:
+    from logtriage.fastscan.prefilter import Prefilter
+    result = new_result(sources)
+    prefilter = Prefilter(matcher.rules)
+    pool = _pool(workers, prefilter)
+    try:
+        for source in sources:
+            index = SourceIndex()
+            result.indexes.append(index)
+            try:
+                _scan_source(result, source, index, matcher, prefilter, pool, progress)
+            except InputError as exc:
+                result.problems.append(str(exc))
+                result.unreadable.append(str(exc))
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+    return result
+
+
+def _scan_source(result, source, index, matcher, prefilter, pool, progress) -> None:
+    chunks = _chunks(source, index)
+    first = next(chunks, None)
+    if first is None:
+        LineScanner(result, source, index, matcher, Dialect()).close()
+        return
+    base, data = first
+    head = data.split(b"\n", DIALECT_SAMPLE)[:DIALECT_SAMPLE]
+    dialect = Dialect.detect(clean(decode(raw)) for raw in head)
+    scanner = LineScanner(result, source, index, matcher, dialect)
+    rank_hint = -1 if source.rank_hint is None else source.rank_hint
+    if dialect.srun or dialect.hosts:
+        _exact(scanner, [(base, data)], chunks)   # launcher prefixes the kernel does not parse
+        scanner.close()
+        return
+    number = 1
+    pending: tuple[int, bytes, Future | ChunkLines] | None = None
+    path = None if source.is_stdin or _is_gzip(source) else str(source.path)
+    for base, data in _chain([(base, data)], chunks):
+        if pool is None:
+            job = _analyse(data, rank_hint, prefilter)
+        elif path is not None:
+            job = pool.submit(_analyse_file, path, base, len(data), rank_hint)   # the worker reads it itself
+        else:
+            job = pool.submit(_analyse, data, rank_hint)
+        if pending is not None:
+            number = _merge(scanner, pending, number, progress)
+        pending = (base, data, job)
+    if pending is not None:
+        _merge(scanner, pending, number, progress)
+    scanner.close()
+
+
+def _merge(scanner: LineScanner, pending, number: int, progress) -> int:
+    base, data, job = pending
+    lines = job.result() if isinstance(job, Future) else job
+    merge_chunk(scanner, data, base, number, lines)
+    if progress is not None:
+        progress(base + len(data))
+    return number + len(lines.starts)
+
+
+def _exact(scanner: LineScanner, first, chunks) -> None:
+    number = 0
+    for base, data in _chain(first, chunks):
+        offset = base
+        for raw in data.split(b"\n")[: data.count(b"\n") + (0 if data.endswith(b"\n") else 1)]:
+            number += 1
+            scanner.line(number, offset, raw)
+            offset += len(raw) + 1
+
+
+def _analyse(data: bytes, rank_hint: int, prefilter=None) -> ChunkLines:
+    from logtriage.fastscan import kernel
+    prefilter = prefilter or _PREFILTER
+    buf = np.frombuffer(data, dtype=np.uint8)
+    n = kernel.count_lines(buf)
+    starts = np.empty(n, dtype=np.int64)
+    messages = np.empty(n, dtype=np.int32)
+    ranks = np.empty(n, dtype=np.int64)
+    flags = np.empty(n, dtype=np.uint8)
+    cuts = np.empty(n, dtype=np.int32)
+    ranks2 = np.empty(n, dtype=np.int64)
+    kernel.classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2)
+    candidates = prefilter.candidate_lines(data, starts)
+    flags[candidates] |= kernel.CANDIDATE
+    return ChunkLines(starts, messages, ranks, flags, cuts, ranks2)
+
+
+def _analyse_file(path: str, offset: int, length: int, rank_hint: int) -> ChunkLines:
+    with open(path, "rb") as f:
+        data = os.pread(f.fileno(), length, offset)
+    return _analyse(data, rank_hint)
+
+
+def _is_gzip(source: Source) -> bool:
+    try:
+        with open(source.path, "rb") as f:
+            return f.read(2) == b"\x1f\x8b"
+    except OSError:
+        return False
+
+
+def _init_worker(prefilter) -> None:
+    global _PREFILTER
+    _PREFILTER = prefilter
+
+
+def _pool(workers: int | None, prefilter) -> ProcessPoolExecutor | None:
+    count = workers if workers is not None else min(2, os.cpu_count() or 1)
+    if count <= 0:
+        return None
+    import multiprocessing
+    context = multiprocessing.get_context("fork")
+    return ProcessPoolExecutor(max_workers=count, mp_context=context, initializer=_init_worker,
+                               initargs=(prefilter,))
+
+
+def _chunks(source: Source, index: SourceIndex) -> Iterator[tuple[int, bytes]]:
+    """(offset, bytes) of whole-line chunks; stdin is spooled to a temp file on the way."""
+    spool = None
+    if source.is_stdin:
+        spool = index.spool = tempfile.TemporaryFile()
+    with open_source(source) as stream:
+        carry = b""
+        offset = 0
+        while True:
+            try:
+                block = stream.read(CHUNK_BYTES)
+            except (EOFError, OSError, ValueError, zlib.error) as exc:
+                raise InputError(f"{source.name}: corrupt or truncated compressed data after "
+                                 f"{offset + len(carry)} bytes ({exc})") from None
+            if spool is not None and block:
+                spool.write(block)
+            if not block:
+                if carry:
+                    yield offset, carry
+                return
+            cut = block.rfind(b"\n")
+            if cut < 0:
+                carry += block
+                continue
+            if carry:
+                data, carry = carry + block[: cut + 1], block[cut + 1:]
+            elif cut == len(block) - 1:
+                data, carry = block, b""
+            else:
+                data, carry = block[: cut + 1], block[cut + 1:]
+            yield offset, data
+            offset += len(data)
+
+
+def _chain(first, rest):
+    yield from first
+    yield from rest

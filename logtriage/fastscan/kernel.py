@@ -1,0 +1,415 @@
+"""The byte-level pass of the fast path, compiled with numba.
+
+For every line of a chunk it finds where the line starts, where its message starts (after the
+`[roleN]:` / `[rankN]: ` / `[rankN]:[` prefixes), the rank those prefixes or a `[rank N]`
+marker name, and whether the line is *plain*: a line the exact per-line path would assign to
+that rank (or to "unattributed") without opening, continuing or closing anything and without
+any rule able to match it. Everything this kernel cannot decide is flagged NOT_PLAIN and goes
+through `LineScanner.line`; the catalog prefilter (prefilter.py) flags the rest.
+
+The decisions mirror demux/prefixes.py, demux/split.py and assigner.find_rank_marker; the
+equality test (tests/test_fastscan.py) runs both paths on every sample log.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+NOT_PLAIN = np.uint8(1)
+STEP = np.uint8(2)          # the message holds "tep" or "ter": maybe a progress line
+STEP2 = np.uint8(4)         # the second part of a glued line holds "tep" or "ter"
+EMPTY = np.uint8(8)         # an empty line: it joins the stream of the line before it
+CANDIDATE = np.uint8(16)    # the prefilter found something a rule or the demuxer may care about
+NO_RANK = -1
+INHERIT = -3                # the slot of the previous line's last part
+MAX_PLAIN_LINE = 1900       # longer lines take the exact path (its step/world checks are length-bound)
+MARKER_HEAD = 120           # find_rank_marker looks at text[:120]
+
+
+@njit(cache=True, nogil=True)
+def count_lines(buf):
+    n = 0
+    for i in range(buf.shape[0]):
+        if buf[i] == 10:
+            n += 1
+    if buf.shape[0] > 0 and buf[buf.shape[0] - 1] != 10:
+        n += 1
+    return n
+
+
+@njit(cache=True, nogil=True)
+def _is_digit(c):
+    return 48 <= c <= 57
+
+
+@njit(cache=True, nogil=True)
+def _lower(c):
+    if 65 <= c <= 90:
+        return c + 32
+    return c
+
+
+@njit(cache=True, nogil=True)
+def _is_role_char(c):
+    return (65 <= c <= 90) or (97 <= c <= 122) or c == 95 or c == 45
+
+
+@njit(cache=True, nogil=True)
+def _excepthook(buf, i, end):
+    """`[rank(\\d{1,12})\\]:( |(?=\\[)|$)` at i: (rank, message start) or (-1, -1)."""
+    if end - i < 8 or buf[i] != 91 or buf[i + 1] != 114 or buf[i + 2] != 97 or buf[i + 3] != 110 or buf[i + 4] != 107:
+        return -1, -1
+    k = i + 5
+    value = 0
+    digits = 0
+    while k < end and _is_digit(buf[k]) and digits < 13:
+        value = value * 10 + (buf[k] - 48)
+        k += 1
+        digits += 1
+    if digits == 0 or digits > 12 or k + 1 >= end + 1 or k >= end or buf[k] != 93:
+        return -1, -1
+    if k + 1 >= end or buf[k + 1] != 58:
+        return -1, -1
+    k += 2
+    if k == end:
+        return value, k
+    if buf[k] == 32:
+        return value, k + 1
+    if buf[k] == 91:
+        return value, k
+    return -1, -1
+
+
+@njit(cache=True, nogil=True)
+def _tee(buf, i, end):
+    """`[role(\\d{1,7})\\]:` at i with role letters/_/- (not "rank"): (local rank, after) or (-1, -1)."""
+    if end - i < 4 or buf[i] != 91:
+        return -1, -1
+    k = i + 1
+    first = buf[k]
+    if not ((65 <= first <= 90) or (97 <= first <= 122) or first == 95):
+        return -1, -1
+    while k < end and _is_role_char(buf[k]):
+        k += 1
+    role_end = k
+    value = 0
+    digits = 0
+    while k < end and _is_digit(buf[k]) and digits < 8:
+        value = value * 10 + (buf[k] - 48)
+        k += 1
+        digits += 1
+    if digits == 0 or digits > 7 or k + 1 >= end or buf[k] != 93 or buf[k + 1] != 58:
+        return -1, -1
+    if role_end - (i + 1) == 4 and buf[i + 1] == 114 and buf[i + 2] == 97 and buf[i + 3] == 110 and buf[i + 4] == 107:
+        return -1, -1  # "[rankN]:" is the excepthook prefix, not a tee header
+    return value, k + 2
+
+
+@njit(cache=True, nogil=True)
+def _bracket_is_plain(buf, c, end):
+    """A message starting with `[` that no prefix rule strips: plain unless it could be a prefix
+    template (`|`, `=` inside), an OpenMPI tag or a tee header (`]<`, `]:`), a `[N]:` entry."""
+    k = c + 1
+    all_digits = True
+    while k < end and k - c <= 121:
+        ch = buf[k]
+        if ch == 93:
+            if all_digits and k > c + 1:
+                return False
+            if k + 1 < end and (buf[k + 1] == 58 or buf[k + 1] == 60):
+                return False
+            return True
+        if ch == 124 or ch == 61 or ch == 91:
+            return False
+        if not _is_digit(ch):
+            all_digits = False
+        k += 1
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _is_rank_at(buf, p):
+    # b | 32 folds ASCII case and maps no other byte onto these letters
+    return (buf[p] | 32) == 114 and (buf[p + 1] | 32) == 97 and (buf[p + 2] | 32) == 110 and (buf[p + 3] | 32) == 107
+
+
+@njit(cache=True, nogil=True)
+def _marker(buf, c, end):
+    """assigner.find_rank_marker on an unprefixed message, within its first 120 characters
+    (case-insensitive), trying its three patterns in order:
+    1. `[ *(global[_ ])?rank *[:=#]? *(\\d{1,9}) *(/ *\\d+ *)?]`
+    2. `(^|[ ,(|])(global_)?rank *[=:] *(\\d{1,9})\\b`
+    3. `^ *rank *(\\d{1,9}) *[:|\\]]`
+    Returns the rank or -1."""
+    head_end = min(end, c + MARKER_HEAD)
+    for p in range(c, head_end - 3):
+        if _is_rank_at(buf, p):
+            value = _bracket_marker_at(buf, c, p, head_end)
+            if value >= 0:
+                return value
+    for p in range(c, head_end - 3):
+        if _is_rank_at(buf, p):
+            value = _assignment_marker_at(buf, c, p, head_end)
+            if value >= 0:
+                return value
+    k = c
+    while k < head_end and buf[k] == 32:
+        k += 1
+    if k + 4 <= head_end and _is_rank_at(buf, k):
+        k += 4
+        while k < head_end and buf[k] == 32:
+            k += 1
+        value = 0
+        digits = 0
+        while k < head_end and _is_digit(buf[k]):
+            value = value * 10 + (buf[k] - 48)
+            k += 1
+            digits += 1
+        if 0 < digits <= 9:
+            while k < head_end and buf[k] == 32:
+                k += 1
+            if k < head_end and (buf[k] == 58 or buf[k] == 124 or buf[k] == 93):
+                return value
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _is_word(c):
+    return _is_digit(c) or (65 <= c <= 90) or (97 <= c <= 122) or c == 95
+
+
+@njit(cache=True, nogil=True)
+def _assignment_marker_at(buf, c, p, head_end):
+    q = p
+    if q - 7 >= c and _lower(buf[q - 7]) == 103 and _lower(buf[q - 6]) == 108 and _lower(buf[q - 5]) == 111 \
+            and _lower(buf[q - 4]) == 98 and _lower(buf[q - 3]) == 97 and _lower(buf[q - 2]) == 108 and buf[q - 1] == 95:
+        before = q - 8
+        if before < c or buf[before] == 32 or buf[before] == 44 or buf[before] == 40 or buf[before] == 124:
+            q -= 7
+    if q > c:
+        b = buf[q - 1]
+        if not (b == 32 or b == 44 or b == 40 or b == 124):
+            return -1
+    k = p + 4
+    while k < head_end and buf[k] == 32:
+        k += 1
+    if k >= head_end or not (buf[k] == 61 or buf[k] == 58):
+        return -1
+    k += 1
+    while k < head_end and buf[k] == 32:
+        k += 1
+    value = 0
+    digits = 0
+    while k < head_end and _is_digit(buf[k]):
+        value = value * 10 + (buf[k] - 48)
+        k += 1
+        digits += 1
+    if digits == 0 or digits > 9:
+        return -1
+    if k < head_end and _is_word(buf[k]):
+        return -1
+    return value
+
+
+@njit(cache=True, nogil=True)
+def _bracket_marker_at(buf, c, p, head_end):
+    q = p
+    if q - 7 >= c and _lower(buf[q - 7]) == 103 and _lower(buf[q - 6]) == 108 and _lower(buf[q - 5]) == 111 \
+            and _lower(buf[q - 4]) == 98 and _lower(buf[q - 3]) == 97 and _lower(buf[q - 2]) == 108 \
+            and (buf[q - 1] == 95 or buf[q - 1] == 32):
+        q -= 7
+    while q - 1 >= c and buf[q - 1] == 32:
+        q -= 1
+    if q - 1 < c or buf[q - 1] != 91:
+        # "global " may have been ordinary spaces: try without the optional word
+        q = p
+        while q - 1 >= c and buf[q - 1] == 32:
+            q -= 1
+        if q - 1 < c or buf[q - 1] != 91:
+            return -1
+    k = p + 4
+    while k < head_end and buf[k] == 32:
+        k += 1
+    if k < head_end and (buf[k] == 58 or buf[k] == 61 or buf[k] == 35):
+        k += 1
+    while k < head_end and buf[k] == 32:
+        k += 1
+    value = 0
+    digits = 0
+    while k < head_end and _is_digit(buf[k]):
+        value = value * 10 + (buf[k] - 48)
+        k += 1
+        digits += 1
+    if digits == 0 or digits > 9:
+        return -1
+    while k < head_end and buf[k] == 32:
+        k += 1
+    if k < head_end and buf[k] == 47:
+        k += 1
+        while k < head_end and buf[k] == 32:
+            k += 1
+        d2 = 0
+        while k < head_end and _is_digit(buf[k]):
+            k += 1
+            d2 += 1
+        if d2 == 0:
+            return -1
+        while k < head_end and buf[k] == 32:
+            k += 1
+    if k < head_end and buf[k] == 93:
+        return value
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _user_marker_len(buf, k, end):
+    """Length of `[Rr]ank ?\\d{1,9}\\] ` at k (split.py's user marker), else 0."""
+    if k + 8 > end or buf[k] != 91 or (buf[k + 1] != 114 and buf[k + 1] != 82) or buf[k + 2] != 97 \
+            or buf[k + 3] != 110 or buf[k + 4] != 107:
+        return 0
+    j = k + 5
+    if j < end and buf[j] == 32:
+        j += 1
+    digits = 0
+    while j < end and _is_digit(buf[j]) and digits < 10:
+        j += 1
+        digits += 1
+    if digits == 0 or digits > 9 or j + 1 >= end or buf[j] != 93 or buf[j + 1] != 32:
+        return 0
+    return j + 2 - k
+
+
+@njit(cache=True, nogil=True)
+def _leading(buf, i, end):
+    """End of split.py's _LEADING: `(\\d{1,7}: )?(\\[[^\\[\\]]{1,120}\\](:|(?=\\[))? ?)*`."""
+    k = i
+    d = 0
+    while k < end and _is_digit(buf[k]) and d < 8:
+        k += 1
+        d += 1
+    if 0 < d <= 7 and k + 1 < end and buf[k] == 58 and buf[k + 1] == 32:
+        i = k + 2
+    k = i
+    while k < end and buf[k] == 91:
+        j = k + 1
+        while j < end and j - k <= 121 and buf[j] != 93 and buf[j] != 91:
+            j += 1
+        if j >= end or buf[j] != 93 or j == k + 1 or j - k > 121:
+            break
+        j += 1
+        if j < end and buf[j] == 58:
+            j += 1
+        if j < end and buf[j] == 32:
+            j += 1
+        k = j
+    return k
+
+
+@njit(cache=True, nogil=True)
+def _has_step(buf, a, b):
+    for k in range(a, b - 2):
+        if buf[k] == 116 and buf[k + 1] == 101 and (buf[k + 2] == 112 or buf[k + 2] == 114):
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True)
+def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
+    """Fill the per-line arrays for `buf` (whole lines); returns the number of lines."""
+    n = 0
+    i = 0
+    size = buf.shape[0]
+    while i < size:
+        end = i
+        while end < size and buf[end] != 10:
+            end += 1
+        flag = np.uint8(0)
+        rank = NO_RANK
+        cut = 0
+        rank2 = NO_RANK
+        c = i
+        if end == i:
+            flag = EMPTY
+            rank = rank_hint if rank_hint >= 0 else INHERIT
+        elif end - i > MAX_PLAIN_LINE:
+            flag = NOT_PLAIN
+        explicit = False
+        if flag == 0:
+            local, after = _tee(buf, i, end)
+            if local >= 0:
+                rank = local
+                c = after
+                explicit = True
+            global_rank, after = _excepthook(buf, c, end)
+            if global_rank >= 0:
+                rank = global_rank
+                c = after
+                explicit = True
+            if not explicit and rank_hint >= 0:
+                rank = rank_hint
+                explicit = True
+            if c >= end or buf[c] == 32:
+                flag = NOT_PLAIN
+        first_step = -1
+        last_step = -1
+        if flag == 0:
+            # one pass: bytes a plain line may not hold (controls such as ESC, CR, TAB, NUL, and
+            # non-ASCII, which cleaning or decoding would change), a `]:` inside the message (a
+            # glued torch prefix), and where "tep"/"ter" occur (progress lines)
+            for k in range(i, end):
+                ch = buf[k]
+                if ch < 32 or ch > 126:
+                    flag = NOT_PLAIN
+                    break
+                if k >= c and k + 1 < end:
+                    nxt = buf[k + 1]
+                    if ch == 93 and nxt == 58:
+                        flag = NOT_PLAIN
+                        break
+                    if ch == 116 and nxt == 101 and k + 2 < end and (buf[k + 2] == 112 or buf[k + 2] == 114):
+                        if first_step < 0:
+                            first_step = k
+                        last_step = k
+        if flag == 0:
+            first = buf[c]
+            if first == 43 or first == 42 or first == 61 or first == 45 or first == 60:
+                flag = NOT_PLAIN  # shell `+ `, banners `***`/`===`, `-- Process`, `----`, `<...>`
+            elif (first == 73 or first == 87 or first == 69 or first == 67) and c + 5 < end \
+                    and _is_digit(buf[c + 1]) and _is_digit(buf[c + 2]) and _is_digit(buf[c + 3]) \
+                    and _is_digit(buf[c + 4]) and buf[c + 5] == 32:
+                flag = NOT_PLAIN  # py-glog header: the launcher or a worker pid
+            elif first == 91:
+                is_cpp = c + 2 < end and (buf[c + 1] == 73 or buf[c + 1] == 87 or buf[c + 1] == 69
+                                          or buf[c + 1] == 70) and _is_digit(buf[c + 2])
+                if not is_cpp and not _bracket_is_plain(buf, c, end):
+                    flag = NOT_PLAIN
+        if flag == 0 and c == i and _user_marker_len(buf, c, end) > 0:
+            # two ranks' prints glued on one line: `[rank 0] step 1 ...[rank 1] step 1 ...`
+            lead = _leading(buf, i, end)
+            found = 0
+            for k in range(max(lead + 1, i + 1), end):
+                if buf[k] == 91 and _user_marker_len(buf, k, end) > 0:
+                    found += 1
+                    if found == 1:
+                        cut = k - i
+            if found > 1:
+                flag = NOT_PLAIN  # three or more parts: the exact path
+            elif found == 1:
+                rank2 = rank_hint if rank_hint >= 0 else _marker(buf, i + cut, end)
+        if flag == 0 and not explicit:
+            rank = _marker(buf, c, i + cut if cut > 0 else end)
+        if flag == 0 and first_step >= 0:
+            if cut == 0 or first_step + 2 < i + cut:
+                flag |= STEP
+            if cut > 0 and last_step >= i + cut:
+                flag |= STEP2
+        starts[n] = i
+        messages[n] = c - i
+        ranks[n] = rank
+        flags[n] = flag
+        cuts[n] = cut
+        ranks2[n] = rank2
+        n += 1
+        i = end + 1
+    return n

@@ -1,0 +1,172 @@
+"""Walk a chunk's lines in order: plain runs are assigned in bulk, every other line goes through
+the exact per-line path (LineScanner.line). The result is the straightforward scan's, line for
+line: a plain line gets exactly the slot the bulk assignment gives it, and none of its
+neighbours' treatment depends on it beyond the state `Assigner.after_plain_lines` restores."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from logtriage.fastscan.kernel import CANDIDATE, EMPTY, INHERIT, NOT_PLAIN, STEP, STEP2
+from logtriage.scan import LineScanner, SlotStats, note_step
+
+
+@dataclass
+class ChunkLines:
+    """The kernel's per-line arrays for one chunk (offsets relative to the chunk)."""
+    starts: np.ndarray     # int64
+    messages: np.ndarray   # int32: message start relative to the line start
+    ranks: np.ndarray      # int64: rank of the (first) part; -1 none; INHERIT for empty lines
+    flags: np.ndarray      # uint8
+    cuts: np.ndarray       # int32: where a glued second part starts (0: not glued)
+    ranks2: np.ndarray     # int64: rank of the second part
+
+
+def merge_chunk(scanner: LineScanner, data: bytes, base: int, first_number: int, lines: ChunkLines) -> None:
+    n = len(lines.starts)
+    if n == 0:
+        return
+    starts = lines.starts
+    ends = np.empty(n, dtype=np.int64)
+    ends[:-1] = starts[1:] - 1
+    ends[-1] = len(data) - 1 if data.endswith(b"\n") else len(data)
+    not_plain = (lines.flags & (NOT_PLAIN | CANDIDATE)) != 0
+    slow = not_plain.copy()
+    slow[1:] |= not_plain[:-1]      # the line after a special one: it may settle a pending state
+    slow[:-1] |= not_plain[1:]      # the line before one: it may open a block the special line continues
+    slow[-1] = True                 # the next chunk's first line is not known here
+    slow_at = np.flatnonzero(slow)
+    slot_of = np.full(n, -1, dtype=np.int64)     # per plain line: its slot (for progress lines)
+    last_of = np.full(n, -1, dtype=np.int64)     # per plain glued line: its second part's slot
+    assigner = scanner.assigner
+    if getattr(scanner, "rank_slots", None) is None:
+        scanner.rank_slots = RankSlots(assigner)
+    i = 0
+    while i < n:
+        if slow[i] or not assigner.idle:
+            may_match = bool(lines.flags[i] & (CANDIDATE | NOT_PLAIN))
+            scanner.line(first_number + i, base + int(starts[i]), data[starts[i]:ends[i]], may_match)
+            i += 1
+            continue
+        k = int(np.searchsorted(slow_at, i))
+        j = int(slow_at[k]) if k < len(slow_at) else n
+        _plain_run(scanner, base, first_number, lines, i, j, slot_of, last_of)
+        i = j
+    _progress_lines(scanner, data, first_number, lines, ends, slot_of, last_of)
+
+
+LUT_RANKS = 1 << 20
+
+
+class RankSlots:
+    """rank -> slot for plain lines, as a lookup table (rank + 1 indexes it; -1 = unknown yet).
+    Rebuilt when the output segment changes (a failed attempt), since slots depend on it."""
+
+    def __init__(self, assigner):
+        self.assigner = assigner
+        self.segment = None
+        self.table = np.full(1, -1, dtype=np.int64)
+
+    def __call__(self, ranks: np.ndarray) -> np.ndarray:
+        segment = self.assigner.facts.segment
+        if segment != self.segment:
+            self.segment, self.table = segment, np.full(1, -1, dtype=np.int64)
+        if len(ranks) and (ranks.min() < -1 or ranks.max() >= LUT_RANKS):
+            values, inverse = np.unique(ranks, return_inverse=True)
+            lut = np.array([self._slot(int(r)) for r in values.tolist()], dtype=np.int64)
+            return lut[inverse]
+        top = int(ranks.max()) + 2 if len(ranks) else 1
+        if top > len(self.table):
+            grown = np.full(max(top, 2 * len(self.table)), -1, dtype=np.int64)
+            grown[: len(self.table)] = self.table
+            self.table = grown
+        slots = self.table[ranks + 1]
+        missing = slots < 0
+        if missing.any():
+            for r in np.unique(ranks[missing]).tolist():
+                self.table[r + 1] = self._slot(int(r))
+            slots = self.table[ranks + 1]
+        return slots
+
+    def _slot(self, rank: int) -> int:
+        return self.assigner.slot_for_rank(None if rank < 0 else rank)
+
+
+def _plain_run(scanner: LineScanner, base: int, first_number: int, lines: ChunkLines, i: int, j: int,
+               slot_of: np.ndarray, last_of: np.ndarray) -> None:
+    result, assigner = scanner.result, scanner.assigner
+    ranks = lines.ranks[i:j]
+    glued = lines.cuts[i:j] > 0
+    inherit = ranks == INHERIT
+    lookup = scanner.rank_slots
+    first = lookup(np.where(inherit, -1, ranks))
+    last = first.copy()
+    if glued.any():
+        last[glued] = lookup(lines.ranks2[i:j][glued])
+    if inherit.any():
+        # an empty line joins the stream of the last part of the non-empty line before it
+        carrier = np.where(inherit, -1, np.arange(j - i))
+        np.maximum.accumulate(carrier, out=carrier)
+        before = assigner.last_slot
+        first = np.where(inherit, np.where(carrier >= 0, last[np.maximum(carrier, 0)], before), first)
+        last = np.where(inherit, first, last)
+    slots = first.astype(np.int32)
+    scanner.index.offsets.frombytes((lines.starts[i:j] + base).astype(np.int64).tobytes())
+    scanner.index.slots.frombytes(slots.tobytes())
+    pieces = int(glued.sum())
+    result.seq += (j - i) + pieces
+    result.fragments += pieces
+    counts = np.bincount(slots)
+    source = scanner.source.index
+    for slot in np.flatnonzero(counts).tolist():
+        stats = result.stats.get(slot)
+        if stats is None:
+            stats = result.stats[slot] = SlotStats()
+        stats.lines += int(counts[slot])
+        if stats.first_line is None:
+            stats.first_line = (source, first_number + i + int(np.argmax(slots == slot)))
+    slot_of[i:j] = slots
+    last_of[i:j] = np.where(glued, last, -1)
+    non_empty = np.flatnonzero(~inherit)
+    if len(non_empty):
+        assigner.after_plain_lines(int(last[non_empty[-1]]))
+    scanner.lines = first_number + j - 1
+
+
+def _progress_lines(scanner: LineScanner, data: bytes, first_number: int, lines: ChunkLines,
+                    ends: np.ndarray, slot_of: np.ndarray, last_of: np.ndarray) -> None:
+    """Each stream's last progress line among the chunk's plain lines, unless a later line of the
+    exact path already set it (the exact path records every one in order; the last one wins)."""
+    one = np.flatnonzero(((lines.flags & STEP) != 0) & (slot_of >= 0))
+    two = np.flatnonzero(((lines.flags & STEP2) != 0) & (last_of >= 0))
+    if len(one) + len(two) == 0:
+        return
+    line_ix = np.concatenate([one, two])
+    part = np.concatenate([np.zeros(len(one), np.int64), np.ones(len(two), np.int64)])
+    slots = np.concatenate([slot_of[one], last_of[two]])
+    order = np.lexsort((part, line_ix))[::-1]       # latest (line, part) first
+    result, source = scanner.result, scanner.source.index
+    done: set[int] = set()
+    wanted = len(np.unique(slots))
+    for at in order.tolist():
+        if len(done) == wanted:
+            break
+        slot = int(slots[at])
+        if slot in done:
+            continue
+        line = int(line_ix[at])
+        number = first_number + line
+        stats = result.stats.get(slot)
+        if stats is not None and stats.last_step_line is not None and stats.last_step_line >= (source, number):
+            done.add(slot)
+            continue
+        start = int(lines.starts[line])
+        cut = int(lines.cuts[line])
+        if part[at] == 0:
+            text = data[start + int(lines.messages[line]): start + cut if cut else int(ends[line])]
+        else:
+            text = data[start + cut: int(ends[line])]
+        if note_step(result, slot, source, number, text.decode("ascii")):
+            done.add(slot)

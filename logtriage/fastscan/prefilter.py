@@ -1,0 +1,133 @@
+"""Find the lines any rule could match, or that the demuxer treats specially, in one RE2 scan
+of a whole chunk.
+
+Each catalog pattern contributes the literal strings one of which must occur in any match
+(found by walking the pattern's syntax tree), or the pattern itself when its literals are too
+short to be selective. Structural literals cover every line shape the demuxer handles beyond
+prefixes and markers (tracebacks, launcher and scheduler lines, probes, banners, error records).
+A line without any of them provably gets no finding and no special treatment."""
+
+from __future__ import annotations
+
+import re
+import re._constants as C
+import re._parser as P
+
+import numpy as np
+import re2
+
+from logtriage.catalog.compiled import CompiledRule
+
+MIN_ATOM = 5
+# Words on nearly every line of a training log: a literal that is only one of these selects
+# nothing, so its pattern scans as a whole instead.
+COMMON_WORDS = frozenset({"loss", "step", "rank", "epoch", "iter", "info", "warn", "debug", "train", "time", "node"})
+
+# Line shapes the demuxer or scan treat specially (see demux/assigner.py, demux/launcher.py,
+# demux/blocks.py, scan.py); the kernel covers those decided by a line's first bytes.
+STRUCTURAL = (
+    "Traceback (most recent call last)", "Error: ", "Exception: ", "Warning: ", "Fatal Python error",
+    "terminate called", "ChildFailedError", "Root Cause", "Failures:", "NO_OTHER_FAILURES", "FutureWarning",
+    "srun: ", "slurmstepd", "sbatch: ", "salloc: ", "mpirun", "prterun", "pdsh@", "Primary job",
+    "Per user-direction", "The following values were not passed", "Setting OMP_NUM_THREADS",
+    "[launch.py:", "[runner.py:", "[launcher_helper.py:", "[multinode_runner.py:",
+    ":torch.distributed.", ":__main__:", ":torch.multiprocessing", "_JSON=", "-- Process",
+    "ERROR", "CRITICAL", "FATAL", "Exception", "exception", "orld", "ORLD",
+)
+
+
+def required_atoms(pattern: str) -> tuple[set[str], bool] | None:
+    """(literals one of which every match contains, case-insensitive?) or None."""
+    try:
+        tree = P.parse(pattern)
+    except Exception:  # noqa: BLE001 - RE2-only syntax: no atoms, the pattern scans itself
+        return None
+    atoms = _sequence(list(tree))
+    if not atoms:
+        return None
+    return atoms, bool(tree.state.flags & C.SRE_FLAG_IGNORECASE)
+
+
+def _sequence(items) -> set[str] | None:
+    options, run = [], []
+
+    def flush():
+        if len(run) >= 3:
+            options.append({"".join(run)})
+        run.clear()
+
+    for op, av in items:
+        if op is C.LITERAL:
+            run.append(chr(av))
+            continue
+        flush()
+        got = _node(op, av)
+        if got:
+            options.append(got)
+    flush()
+    if not options:
+        return None
+    return max(options, key=lambda s: (min(len(a) for a in s), -len(s)))
+
+
+def _node(op, av) -> set[str] | None:
+    if op is C.SUBPATTERN:
+        return _sequence(list(av[3]))
+    if op is C.BRANCH:
+        out: set[str] = set()
+        for branch in av[1]:
+            got = _sequence(list(branch))
+            if not got:
+                return None
+            out |= got
+        return out
+    if op in (C.MAX_REPEAT, C.MIN_REPEAT, C.POSSESSIVE_REPEAT):
+        low, _, sub = av
+        return _sequence(list(sub)) if low >= 1 else None
+    return None
+
+
+_GROUP = re.compile(r"\(\?P<\w+>")
+
+
+class Prefilter:
+    def __init__(self, rules: list[CompiledRule]):
+        literals: set[str] = set(STRUCTURAL)
+        folded: set[str] = set()
+        whole: list[str] = []
+        for compiled in rules:
+            for pattern in compiled.rule.patterns:
+                found = required_atoms(pattern)
+                if found and min(len(a) for a in found[0]) >= MIN_ATOM and \
+                        not any(a.strip(" :=|[]()").lower() in COMMON_WORDS for a in found[0]):
+                    (folded if found[1] else literals).update(found[0])
+                else:
+                    bare = _GROUP.sub("(?:", pattern)
+                    whole.append(bare[1:] if bare.startswith("^") else bare)
+        parts = [re2.escape(a) for a in sorted(literals)]
+        if folded:
+            parts.append("(?i:" + "|".join(re2.escape(a) for a in sorted(folded)) + ")")
+        parts += [f"(?:{p})" for p in whole]
+        options = re2.Options()
+        options.max_mem = 256 << 20
+        self.regex = re2.compile("(?m)" + "|".join(parts), options)
+        self.literal_count = len(literals) + len(folded)
+        self.whole_count = len(whole)
+
+    def candidate_lines(self, buf: bytes, starts: np.ndarray) -> np.ndarray:
+        """Indices (into `starts`) of the lines holding a match."""
+        found = []
+        search = self.regex.search
+        size = len(buf)
+        pos = 0
+        while pos < size:
+            m = search(buf, pos)
+            if m is None:
+                break
+            at = m.start()
+            found.append(at)
+            nl = buf.find(b"\n", at)
+            pos = size if nl < 0 else nl + 1
+        if not found:
+            return np.empty(0, dtype=np.int64)
+        return np.searchsorted(starts, np.asarray(found, dtype=np.int64), side="right") - 1
