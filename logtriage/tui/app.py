@@ -77,7 +77,7 @@ class TriageApp(ViewActions, App[None]):
             with Vertical(id="right"):
                 yield LogView(id="log")
                 yield SplitView(id="split")
-                yield FindingsPanel(id="findings")
+        yield FindingsPanel(id="findings")
         yield StatusBar(id="status")
         yield PromptBar(id="prompt")
         yield Footer(compact=True, show_command_palette=False)

@@ -15,6 +15,7 @@ from rich.text import Text
 from textual.message import Message
 from textual.widgets import DataTable
 
+from logtriage.report.safe import terminal_safe
 from logtriage.report.text import ranges
 from logtriage.tui.model.streams import FindingRow, Mark
 
@@ -25,7 +26,7 @@ MARK_STYLE = {
     Mark.CONTEXT: "cyan",
 }
 TEXT_WIDTH = 160
-COLUMNS = (("#", 2), ("role", 10), ("ranks", 8), ("rule", 30), ("line", 8), ("text", TEXT_WIDTH))
+COLUMNS = (("#", 2), ("role", 10), ("ranks", 8), ("rule", 28), ("line", 7), ("text", TEXT_WIDTH))
 
 
 class FindingsPanel(DataTable):
@@ -68,7 +69,7 @@ class FindingsPanel(DataTable):
                 Text(ranges(finding.ranks) if finding.ranks else "—"),
                 Text(finding.rule.id + count),
                 Text(str(line_number(finding.gid)), justify="right"),
-                Text(finding.text[:TEXT_WIDTH], no_wrap=True),
+                Text(terminal_safe(finding.text[:TEXT_WIDTH]), no_wrap=True),
                 key=str(index))
         self.border_title = f"causal chain ({chain}) · findings ({len(findings) - chain})"
 
