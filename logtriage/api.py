@@ -10,6 +10,7 @@ from logtriage.catalog.loader import Catalog, load_catalog
 from logtriage.catalog.matcher import Matcher
 from logtriage.errors import CatalogError, UsageError
 from logtriage.ingest.sources import discover
+from logtriage.redact import Redactor, redact_report
 from logtriage.report.build import build_report
 from logtriage.report.model import Report
 from logtriage.scan import ScanResult, scan
@@ -59,7 +60,9 @@ def run_triage(inputs: Sequence[str], options: TriageOptions = TriageOptions()) 
     result.problems[:0] = [f"skipped {s}" for s in discovery.skipped] + [f"rule problem: {p}" for p in catalog.problems]
     diag = diagnose(result, catalog)
     redactor, info = _redactor(options)
-    report = build_report(result, diag, redactor, info)
+    report = build_report(result, diag, redaction=info)
+    if redactor is not None:
+        report = redact_report(report, redactor)
     return TriageRun(report, result, diag, catalog)
 
 
@@ -85,12 +88,9 @@ def _use_fast(engine: str, sources) -> bool:
     return size >= FAST_SCAN_BYTES
 
 
-def _redactor(options: TriageOptions) -> tuple[Callable[[str], str], dict]:
+def _redactor(options: TriageOptions) -> tuple[Redactor | None, dict]:
+    """Every log-derived string of the report is redacted (evidence, findings, environment facts,
+    notes, source names), in every format."""
     if not options.redact:
-        return (lambda s: s), {"enabled": False}
-    try:
-        from logtriage.redact import Redactor
-    except ImportError:
-        return (lambda s: s), {"enabled": False, "note": "redaction module not available"}
-    redactor = Redactor(extra=options.redact_extra)
-    return redactor.redact, {"enabled": True, "extra": list(options.redact_extra)}
+        return None, {"enabled": False}
+    return Redactor(extra=options.redact_extra), {"enabled": True, "extra": list(options.redact_extra)}

@@ -104,9 +104,6 @@ Root Cause (first observed failure):
 """
 
 
-@pytest.mark.xfail(strict=True, reason="analysis/childfailed.py converts the summary's rank field with an "
-                   "unbounded \\d+: 30 digits overflow the JSON report, 5000 digits crash int(); needs an "
-                   "analysis fix (bound the digits as demux/launcher.py does)")
 @pytest.mark.parametrize("digits", [30, 5000])
 def test_child_failed_summary_with_huge_numbers(tmp_path, digits):
     log = tmp_path / "cfe.log"

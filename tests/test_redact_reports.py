@@ -91,8 +91,6 @@ def test_redact_report_covers_environment_facts(tmp_path):
         assert leaked(render(clean, fmt)) == [], fmt
 
 
-@pytest.mark.xfail(strict=True, reason="api.py redacts evidence, findings, chain and ranks but not environment "
-                                       "facts; wiring redact_report() into api.run_triage closes this")
 def test_triage_redacts_environment_facts(tmp_path):
     report = triage([str(planted_log(tmp_path, with_probe=True))], TriageOptions(redact=True))
     assert leaked(render(report, "json")) == []

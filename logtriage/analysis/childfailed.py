@@ -10,10 +10,12 @@ from dataclasses import dataclass
 
 from logtriage.analysis.timestamps import Stamp, parse_cfe_time
 
-_ENTRY = re.compile(r"^\[(\d+)\]:\s*$")
+# Numbers become ints only with at most 12 digits (as in demux/launcher.py): a log cannot make
+# an integer too big for the JSON report or too long to convert.
+_ENTRY = re.compile(r"^\[(\d{1,12})\]:\s*$")
 _FIELD = re.compile(r"^\s{1,4}(time|host|rank|exitcode|error_file|traceback)\s*: ?(.*)$")
-_RANK = re.compile(r"(\d+) \(local_rank: (\d+)\)")
-_EXIT = re.compile(r"(-?\d+) \(pid: (\d+)\)(?:\s+\((SIG\w+)\))?")
+_RANK = re.compile(r"(\d{1,12}) \(local_rank: (\d{1,12})\)")
+_EXIT = re.compile(r"(-?\d{1,12}) \(pid: (\d{1,12})\)(?:\s+\((SIG\w+)\))?")
 
 
 @dataclass(frozen=True)
