@@ -102,6 +102,7 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
             extra.append(hit)
     local_to_rank = {f.local_rank: f.rank for f in failures if f.local_rank is not None and f.rank is not None}
     entry_rank = {(f.source, f.line): f.rank for f in failures}
+    pid_rank = {f.pid: f.rank for f in failures if f.pid is not None and f.rank is not None}
     entry_time = {(f.source, f.line): f.time for f in failures}
     findings = []
     for hit in sorted([*primary.values(), *extra], key=lambda h: h.seq):
@@ -109,7 +110,7 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
         rank, how = stream.rank_or_none, "stream"
         stamp = hit.stamp
         if stream.kind is StreamKind.LAUNCHER:
-            rank, how = _launcher_rank(hit, entry_rank, local_to_rank)
+            rank, how = _launcher_rank(hit, entry_rank, local_to_rank, pid_rank)
             stamp = entry_time.get((hit.source, hit.line)) or stamp
         if "rank" in hit.captures and hit.captures["rank"].isdigit():
             rank, how = int(hit.captures["rank"]), "capture"
@@ -136,9 +137,12 @@ def _best_per_traceback(findings: list[Finding], block_kinds: dict[int, str]) ->
             if not (f.block_id in best and f.is_error and not f.is_teardown and f.rule.priority < best[f.block_id])]
 
 
-def _launcher_rank(hit: Hit, entry_rank: dict, local_to_rank: dict) -> tuple[int | None, str]:
+def _launcher_rank(hit: Hit, entry_rank: dict, local_to_rank: dict, pid_rank: dict) -> tuple[int | None, str]:
     if (hit.source, hit.line) in entry_rank:
         return entry_rank[(hit.source, hit.line)], "launcher"
+    pid = hit.captures.get("pid")
+    if pid and pid.isdigit() and int(pid) in pid_rank:
+        return pid_rank[int(pid)], "launcher"   # the pid the summary names: exact even across nodes
     for name in ("local_rank", "process", "task"):
         value = hit.captures.get(name)
         if value is not None and value.isdigit():

@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     options = TriageOptions(tuple(args.patterns), args.strict_catalog, not args.no_redact, extra,
                             progress=_progress_bar())
     run = run_triage(inputs, options)
+    if run.scan.unreadable and not run.scan.input_lines:
+        raise InputError("; ".join(run.scan.unreadable))   # nothing was readable: no "OK" report
     color = args.color == "always" or (args.color == "auto" and not args.output and sys.stdout.isatty()
                                        and not os.environ.get("NO_COLOR"))
     text = render(run.report, args.format, color=color)

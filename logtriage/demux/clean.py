@@ -3,20 +3,35 @@ characters removed, tqdm `\\r` redraws reduced to the last state, CRLF ends drop
 
 from __future__ import annotations
 
+import codecs
 import re
 
 # CSI (colours, cursor moves), OSC (titles, hyperlinks; BEL or ST terminated), other 2-byte escapes.
 _ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]|\x9b[0-?]*[ -/]*[@-~]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+# tqdm and friends: `45%|####5     | 45/100 [00:01<00:01, 30.2it/s]`
+_PROGRESS_BAR = re.compile(r"\d%\||\d(?:it/s|s/it)\]|\[\d\d:\d\d<")
+
+
+def _latin1_bytes(exc: UnicodeDecodeError) -> tuple[str, int]:
+    return exc.object[exc.start:exc.end].decode("latin-1"), exc.end
+
+
+codecs.register_error("logtriage-latin1", _latin1_bytes)
+_EXACT_UP_TO = 4096   # longer lines of mostly binary skip the byte-by-byte fallback (slow there)
 
 
 def decode(raw: bytes) -> str:
-    """UTF-8, falling back per line to Latin-1 for legacy bytes (every byte maps to a character,
-    so nothing is lost); NUL bytes survive decoding and are removed by clean()."""
+    """UTF-8; bytes that are not UTF-8 are read as Latin-1 (every byte maps to a character, so
+    nothing is lost): byte by byte, so a Latin-1 `café` next to UTF-8 `ü` keeps both, except in
+    a long line of mostly binary, which is read as Latin-1 whole (fast). NUL bytes survive
+    decoding and are removed by clean()."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
-        return raw.decode("utf-8", errors="replace") if _mostly_utf8(raw) else raw.decode("latin-1")
+        if len(raw) > _EXACT_UP_TO and not _mostly_utf8(raw):
+            return raw.decode("latin-1")
+        return raw.decode("utf-8", errors="logtriage-latin1")
 
 
 def _mostly_utf8(raw: bytes) -> bool:
@@ -36,8 +51,17 @@ def clean(text: str) -> str:
 
 
 def _last_redraw(text: str) -> str:
+    """The last state of a `\\r`-redrawn line; but when a progress bar redraws over text that is
+    not a bar (an unbuffered rank's message whose newline came after another rank's bar), the
+    text is kept, not the bar: `ValueError: bad batch\\r 55%|#####| 55/100` gives the error."""
     text = text.rstrip("\r")
     if "\r" not in text:
         return text
     parts = [p for p in text.split("\r") if p.strip()]
-    return parts[-1] if parts else ""
+    if not parts:
+        return ""
+    if _PROGRESS_BAR.search(parts[-1]):
+        for part in reversed(parts):
+            if not _PROGRESS_BAR.search(part):
+                return part
+    return parts[-1]

@@ -1,6 +1,7 @@
 """Launcher prefixes, outermost first, each stripped once:
 
-    srun --label        `3: `                     (global rank; only when the log uses it widely)
+    srun --label        `3: `                     (the task: a rank, or a node when each task runs torchrun;
+                                                   only when the log uses it widely)
     OpenMPI tag-output  `[1,3]<stdout>:`          (global rank)
     pdsh / DeepSpeed    `worker-3: `              (host; only for hosts the log uses widely)
     torchrun --tee      `[default0]:` `[trainer1]:` `[gpu187:2]:`   (local rank)
@@ -39,6 +40,7 @@ _EXCEPTION_NAME = re.compile(r"(?:Error|Exception|Warning|Interrupt|Exit|Failure
 class Dialect:
     """Which ambiguous prefix conventions this log uses, decided from a sample of its lines."""
     srun: bool = False
+    srun_nodes: bool = False   # srun tasks are nodes (one torchrun each), not ranks
     hosts: frozenset[str] = field(default_factory=frozenset)
 
     @classmethod
@@ -58,7 +60,27 @@ class Dialect:
                 hosts[m.group(1)] += 1
         floor = max(5, len(lines) // 20)
         chosen = frozenset(h for h, n in hosts.items() if n >= floor and _host_like(h))
-        return cls(srun=srun_hits * 3 >= len(lines) and srun_hits >= 3, hosts=chosen)
+        srun = srun_hits * 3 >= len(lines) and srun_hits >= 3
+        return cls(srun=srun, hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines))
+
+
+_AGENT_LINE = re.compile(r"^[IWEC]\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ \S*distributed/(?:run|elastic|launcher)")
+
+
+def _tasks_are_nodes(lines: list[str]) -> bool:
+    """Under `srun --label torchrun ...` each task is a node's launcher: its label names the node,
+    and the agent's own lines or `[rankN]:` prefixes with another number show it."""
+    for line in lines:
+        m = _SRUN.match(line)
+        if not m:
+            continue
+        rest = line[m.end():]
+        if _AGENT_LINE.match(rest):
+            return True
+        r = _EXCEPTHOOK.match(rest)
+        if r and r.group(1) != m.group(1):
+            return True
+    return False
 
 
 def _host_like(token: str) -> bool:
@@ -87,7 +109,11 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
     if dialect.srun:
         m = _SRUN.match(text)
         if m:
-            rank, text = int(m.group(1)), text[m.end():]
+            if dialect.srun_nodes:
+                host = f"task{int(m.group(1))}"
+            else:
+                rank = int(m.group(1))
+            text = text[m.end():]
             layers.append("srun")
     m = _MPI.match(text)
     if m:

@@ -46,8 +46,8 @@ _MASKS: tuple[tuple[re.Pattern, str | Callable[[re.Match], str]], ...] = (
     # Exit codes, signals and errnos are the diagnosis: kept. Other numbers, and short hex words
     # with a digit (PCI bus ids, `c10d`), become <n>; addresses and long hex ids <hex>.
     (re.compile(r"(?i)(?P<keep>(?:exit ?code|exitcode|errno|error code|return code|signal)\W{0,3}-?\d+)"
-                r"|(?P<hex>\b0x[0-9a-f]+\b|\b(?=[0-9a-f]*\d)[0-9a-f]{8,}\b)"
-                r"|(?P<num>\d+(?:\.\d+)?|\b(?=[0-9a-f]*\d)[0-9a-f]{1,7}\b)"),
+                r"|(?P<hex>\b0x[0-9a-f]+\b|\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{8,}\b)"
+                r"|(?P<num>\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{1,7}\b|\d+(?:\.\d+)?)"),
      lambda m: m.group("keep") or ("<hex>" if m.group("hex") else "<n>")),
     (re.compile(r"\s+"), " "),
 )

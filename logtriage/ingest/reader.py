@@ -13,6 +13,8 @@ from logtriage.errors import InputError
 from logtriage.ingest.sources import GZIP_MAGIC, Source
 
 CHUNK = 1 << 20
+MAX_LINE = 1 << 20    # bytes of one line kept for matching: an 80 MB single-line JSON costs 1 MB
+TAIL = 64 << 10       # ...plus its last bytes, where a glued rank line would be
 
 
 @contextmanager
@@ -29,7 +31,11 @@ def open_source(source: Source) -> Iterator[BinaryIO]:
         close = True
     try:
         buffered = raw if isinstance(raw, io.BufferedReader) else io.BufferedReader(raw)
-        if buffered.peek(2)[:2] == GZIP_MAGIC:
+        try:
+            magic = buffered.peek(2)[:2]
+        except OSError as exc:  # EIO, EISDIR...: nothing can be read at all
+            raise InputError(f"{source.name}: cannot read ({exc.strerror or exc})") from None
+        if magic == GZIP_MAGIC:
             yield gzip.GzipFile(fileobj=buffered, mode="rb")
         else:
             yield buffered
@@ -38,19 +44,44 @@ def open_source(source: Source) -> Iterator[BinaryIO]:
             raw.close()
 
 
-def iter_raw_lines(source: Source) -> Iterator[tuple[int, bytes]]:
+def iter_raw_lines(source: Source, tee: BinaryIO | None = None) -> Iterator[tuple[int, bytes]]:
     """(byte offset, line without its trailing newline) for every physical line. A final line
-    without a newline is a line; an empty file has none. Corrupt or truncated gzip data ends
-    with InputError after the lines that could be read."""
+    without a newline is a line; an empty file has none. Of a line longer than MAX_LINE bytes
+    only its first MAX_LINE and last TAIL bytes are kept (memory stays bounded whatever the
+    line); offsets stay exact. `tee` receives every byte read, unchanged. Corrupt or truncated
+    gzip data ends with InputError after the lines that could be read."""
     offset = 0
     with open_source(source) as stream:
         try:
-            for raw in stream:
+            while raw := stream.readline(MAX_LINE):
                 size = len(raw)
+                if tee is not None:
+                    tee.write(raw)
+                if size == MAX_LINE and not raw.endswith(b"\n"):
+                    tail, rest = _rest_of_line(stream, tee)
+                    size += rest
+                    raw = raw + b" [...] " + tail if tail else raw
                 if raw.endswith(b"\n"):
                     raw = raw[:-1]
                 yield offset, raw
                 offset += size
-        except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as exc:
+        except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
             raise InputError(f"{source.name}: corrupt or truncated compressed data after "
                              f"{offset} bytes ({exc})") from None
+        except OSError as exc:
+            raise InputError(f"{source.name}: read error after {offset} bytes "
+                             f"({exc.strerror or exc})") from None
+
+
+def _rest_of_line(stream: BinaryIO, tee: BinaryIO | None) -> tuple[bytes, int]:
+    """Read the rest of an overlong line: (its last TAIL bytes, how many bytes it had)."""
+    tail = b""
+    size = 0
+    while chunk := stream.readline(CHUNK):
+        size += len(chunk)
+        if tee is not None:
+            tee.write(chunk)
+        tail = (tail + chunk)[-TAIL:]
+        if chunk.endswith(b"\n"):
+            break
+    return tail, size

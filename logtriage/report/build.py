@@ -68,6 +68,8 @@ def _exception_type(scan: ScanResult, diag: Diagnosis, finding: Finding) -> str 
     if finding.exception_type:
         return finding.exception_type
     stream = finding.stream
+    if stream.kind is StreamKind.LAUNCHER:
+        return None   # a launcher line about a worker: the launcher's own traceback is not its cause
     for block_id, (source, first, _) in sorted(scan.blocks.items(), key=lambda kv: kv[1][1]):
         if source != finding.source or not finding.line <= first <= finding.line + NEARBY_LINES:
             continue
