@@ -14,6 +14,15 @@ def _all_ranks(category: str, rule: str, exception_type: str, note: str) -> Expe
                        exception_type=exception_type, note=note)
 
 
+def _before_init(rule: str, exception_type: str, what: str) -> Expectation:
+    """Every rank fails before the process group exists: tracebacks carry no rank prefix, and
+    the agent may SIGTERM a rank before it prints, so the log cannot name a rank reliably."""
+    return Expectation(FAILED, "environment", rule, exception_type=exception_type,
+                       note=f"{what} on every rank before the process group exists; the "
+                            "tracebacks carry no rank prefix and the agent may stop a rank "
+                            "before it prints")
+
+
 NAN_INJECTION = Scenario(
     name="nan_injection", script="nan_injection.py",
     description="a NaN or inf enters one rank's batch; the gradient average spreads it",
@@ -111,14 +120,12 @@ CUDA_ON_CPU = Scenario(
         Variant("to_cuda_np2", script_args=("--how", "to_cuda")),
         Variant("set_device_np2", script_args=("--how", "set_device"),
                 evidence="has no attribute '_cuda_setDevice'",
-                expect=_all_ranks("environment", "cuda.not_compiled", "AttributeError",
-                                  "torch.cuda.set_device on a CPU-only build, before the process "
-                                  "group exists (tracebacks carry no rank prefix)")),
+                expect=_before_init("cuda.not_compiled", "AttributeError",
+                                    "torch.cuda.set_device(local_rank) raises")),
         Variant("nccl_np2", script_args=("--how", "nccl"),
                 evidence="Distributed package doesn't have NCCL built in",
-                expect=_all_ranks("environment", "dist.nccl_not_built", "RuntimeError",
-                                  "init_process_group('nccl') on a CPU-only build (tracebacks "
-                                  "carry no rank prefix)")),
+                expect=_before_init("dist.nccl_not_built", "RuntimeError",
+                                    "init_process_group(backend='nccl') raises")),
         Variant("ddp_device_ids_np2", script_args=("--how", "ddp_device_ids"),
                 evidence="device_ids and output_device arguments only work with",
                 expect=_all_ranks("device_assignment", "ddp.device_ids_cpu", "ValueError",
