@@ -77,7 +77,7 @@ def test_oom_cascade_has_watchdog_timeouts_on_the_other_node_and_two_childfailed
     assert len(senders) >= 7
     assert any(re.search(rb"\] failed \(exitcode: 1\) local_rank: 3 \(pid: \d+\) of binary: ", l) for l in after)
     assert sum(l == b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: " for l in after) == 2
-    assert "nccl.watchdog_timeout" in expect["required_findings"]
+    assert "nccl.desync_report" in expect["required_findings"]
 
 
 def test_childfailed_block_layout_follows_formats_section_4(tmp_path):
@@ -111,14 +111,14 @@ def test_sigkill_sidecar_points_at_the_agents_exitcode_line(tmp_path):
 
 def test_timeout_sidecar_points_at_the_desync_report_naming_the_hung_rank(tmp_path):
     _, expect, lines, _ = _make(tmp_path, failure=FailureKind.TIMEOUT, fail_rank=6)
-    assert (expect["category"], expect["rule"], expect["rank"]) == ("collective_timeout", "nccl.desync_report", 6)
+    assert (expect["category"], expect["rule"], expect["rank"]) == ("collective_timeout", "nccl.watchdog_timeout", 6)
     naming = [i for i, l in enumerate(lines) if l.startswith(b"\t   - [6] finished collective #")]
     assert len(naming) == 15 and expect["line"] == naming[0] + 1
     first_watchdog = next(i for i, l in enumerate(lines) if b"Watchdog caught collective operation timeout" in l)
     assert first_watchdog == naming[0] - 3  # the report is part of that rank's watchdog message
     timed_out = {int(m.group(1)) for l in lines if (m := re.search(rb"\] \[Rank (\d+)\] Watchdog caught", l))}
     assert timed_out == set(range(16)) - {6}
-    assert "nccl.watchdog_timeout" in expect["required_findings"]
+    assert "nccl.desync_report" in expect["required_findings"]
 
 
 def test_healthy_run_has_no_failure_and_an_ok_sidecar(tmp_path):

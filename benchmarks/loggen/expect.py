@@ -24,7 +24,7 @@ def build_expectation(spec: GenSpec, topo: Topology, culprit: Worker | None, siz
     multi = spec.nodes > 1
     required = ["launcher.child_failed"]
     if kind is FailureKind.TIMEOUT:
-        required += ["nccl.watchdog_timeout"]
+        required += ["nccl.desync_report"]
     elif multi:
         required += ["launcher.sigterm_sent", "nccl.watchdog_timeout"]
     elif spec.ranks_per_node > 1:

@@ -31,9 +31,9 @@ EXPECTED_ROOT: dict[FailureKind, tuple[str, str, str]] = {
     FailureKind.OOM: ("failed", "gpu_oom", "cuda.oom"),
     FailureKind.EXCEPTION: ("failed", "python_exception", "python.exception"),
     FailureKind.SIGKILL: ("failed", "crash_signal", "signal.sigkill"),
-    # A hung rank prints nothing and has no watchdog of its own; the line that names it is the
-    # desync report the other ranks' watchdogs append.
-    FailureKind.TIMEOUT: ("failed", "collective_timeout", "nccl.desync_report"),
+    # A hung rank prints nothing and has no watchdog of its own: the others' watchdog timeouts are
+    # the failure, and the desync report they append names the hung rank (a required finding).
+    FailureKind.TIMEOUT: ("failed", "collective_timeout", "nccl.watchdog_timeout"),
 }
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)[bB]?\s*$")
