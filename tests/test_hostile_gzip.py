@@ -65,6 +65,8 @@ def test_gzip_magic_without_gzip_data(tmp_path, data):
     out = run_cli(str(path))
     assert_clean_exit(out)
     assert out.code == 3
+    assert out.stdout == b""                    # no "OK" report for a log nothing could be read of
+    assert out.stderr.startswith(b"triage: error: ") and out.stderr.count(b"\n") == 1
 
 
 def test_corrupt_gz_in_a_folder_keeps_the_other_files(tmp_path):
