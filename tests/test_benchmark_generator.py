@@ -77,7 +77,7 @@ def test_oom_cascade_has_watchdog_timeouts_on_the_other_node_and_two_childfailed
     assert len(senders) >= 7
     assert any(re.search(rb"\] failed \(exitcode: 1\) local_rank: 3 \(pid: \d+\) of binary: ", l) for l in after)
     assert sum(l == b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: " for l in after) == 2
-    assert "nccl.desync_report" in expect["required_findings"]
+    assert "nccl.watchdog_timeout" in expect["required_findings"]
 
 
 def test_childfailed_block_layout_follows_formats_section_4(tmp_path):

@@ -79,14 +79,15 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
         # Exit codes and signals seen by the launcher (-6 after an NCCL watchdog abort) are how
         # timed-out processes end, and what a timeout's stamp shows came later is its aftermath
         # (a heartbeat monitor firing minutes after the watchdog): the timeouts say more.
-        timeouts = [f for f in live if f.category is Category.COLLECTIVE_TIMEOUT]
+        timeouts = [f for f in live if f.category is Category.COLLECTIVE_TIMEOUT
+                    and f.role is not Role.CAUSE_CONFIRMATION]
         either = [f for f in either if f.attributed_by != "launcher" and f.category is not Category.CRASH_SIGNAL
                   and not any(clearly_before(t.stamp, f.stamp) for t in timeouts)]
     if either:
         specific = [f for f in either if f.rule.id != "signal.exit_nonzero"] or either
         confidence = 0.6 if specific[0].rule.id != "signal.exit_nonzero" else 0.35
         return _group_root(specific, live, facts, confidence)
-    timeouts = [f for f in live if f.category is Category.COLLECTIVE_TIMEOUT]
+    timeouts = [f for f in live if f.category is Category.COLLECTIVE_TIMEOUT and f.role is not Role.CAUSE_CONFIRMATION]
     if timeouts:
         return _missing_rank_root(timeouts, live, facts)
     cascade = [f for f in live if f.role is Role.CASCADE_CANDIDATE]
