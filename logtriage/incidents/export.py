@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 
 from logtriage.errors import UsageError
-from logtriage.incidents.models import Event, Incident, IncidentRecord, Occurrence
+from logtriage.incidents.models import Event, Incident, IncidentRecord, Occurrence, Status
 from logtriage.report.safe import markdown_code_block, markdown_inline as md
 
 EXPORT_SCHEMA_VERSION = 1
@@ -62,7 +62,8 @@ def record_markdown(record: IncidentRecord) -> str:
            f"| last seen | {_time(inc.last_seen_at)} |", f"| fingerprint | `{md(inc.fingerprint)}` |",
            f"| grouped by | {md(inc.basis)} |"]
     if inc.resolution_note:
-        out.append(f"| resolution | {md(inc.resolution_note)} |")
+        label = "resolution" if inc.status is Status.RESOLVED else "last resolution"
+        out.append(f"| {label} | {md(inc.resolution_note)} |")
     out += ["", "## History", ""]
     out += [f"- {_time(e.at)} **{e.kind.value}**" + (f": {md(e.note)}" if e.note else "") for e in record.events]
     out += ["", "## Occurrences", "", "| # | added | run | rank(s) | sources | redacted | tags |",
