@@ -39,7 +39,10 @@ def run(args: argparse.Namespace) -> int:
     if rule is not None:
         data = rule.describe()
         if lint is not None:
-            data["prevented_by_lint"] = [r.describe()["id"] for r in lint.rules_preventing(rule.id)]
+            prevented = [r.describe()["id"] for r in lint.rules_preventing(rule.id)]
+            data["prevented_by_lint"] = prevented
+            data["diagnosed_with_lint"] = [r.describe()["id"] for r in lint.rules_linked(rule.id)
+                                           if r.describe()["id"] not in prevented]
     elif lint is not None and lint.get_rule(args.rule_id) is not None:
         data = dict(lint.get_rule(args.rule_id).describe())
         data["kind"] = "lint"
@@ -64,8 +67,9 @@ def _as_text(data: dict) -> str:
     if isinstance(docs, dict):
         for key, value in docs.items():
             lines += ["", str(key).upper(), textwrap.indent(str(value).strip(), "  ")]
-    for key, label in (("prevents", "PREVENTS (runtime rules)"), ("prevented_by_lint", "PREVENTED BY (lint rules)"),
-                       ("references", "REFERENCES")):
+    for key, label in (("prevents", "PREVENTS (runtime rules)"), ("helps_diagnose", "HELPS DIAGNOSE (runtime rules)"),
+                       ("prevented_by_lint", "PREVENTED BY (lint rules)"),
+                       ("diagnosed_with_lint", "EASIER TO DIAGNOSE WITH (lint rules)"), ("references", "REFERENCES")):
         if data.get(key):
             lines += ["", label] + [f"  {item}" for item in data[key]]
     if data.get("path"):
