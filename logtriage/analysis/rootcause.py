@@ -137,7 +137,11 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
         ranks = tuple(sorted(facts.known))  # one unprefixed copy per rank (before the process group existed)
     if len(ranks) > 1:
         reasons.append(f"the same error on {len(ranks)} ranks: a code or data bug shared by all")
-        if len({f.text for f in group}) == 1:
+        first_text: dict[int, str] = {}
+        for f in sorted(group, key=lambda f: f.seq):
+            if f.rank is not None:
+                first_text.setdefault(f.rank, f.text)
+        if len(set(first_text.values())) <= 1:
             rank = min(ranks)  # the very same line everywhere: no rank went first
         elif rank is None:
             rank = min(ranks)
