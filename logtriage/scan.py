@@ -83,6 +83,7 @@ class ScanResult:
     block_kinds: dict[int, str] = field(default_factory=dict)
     block_exceptions: dict[int, str] = field(default_factory=dict)
     block_collectives: dict[int, str] = field(default_factory=dict)   # the c10d call a traceback was in
+    block_exception_lines: dict[int, tuple[int, int]] = field(default_factory=dict)  # -> (source, line)
     indexes: list[SourceIndex] = field(default_factory=list)
     input_lines: int = 0
     fragments: int = 0
@@ -116,6 +117,7 @@ class LineScanner:
         """Process one physical line. `may_match=False`: the caller proved no rule can match it."""
         result = self.result
         parts = self.assigner.feed(clean(decode(raw)))
+        self.assigner.note_line_number(number)
         self.index.offsets.append(offset)
         self.index.slots.append(parts[0].slot)
         result.fragments += len(parts) - 1
@@ -138,7 +140,10 @@ class LineScanner:
             result.block_kinds[block_id] = kind.value
         result.block_exceptions.update(assigner.exceptions)
         result.block_collectives.update(assigner.collectives)
+        for block_id, line in assigner.exception_lines.items():
+            result.block_exception_lines[block_id] = (self.source.index, line)
         result.input_lines += self.lines
+        _note_rule_timeouts(result, self.matcher)
 
     def _note(self, number: int, part: Part, may_match: bool = True) -> None:
         result, text, slot = self.result, part.text, part.slot
@@ -172,6 +177,18 @@ class LineScanner:
                 continue
             result.hits.append(Hit(hit.rule, hit.captures, source, number, slot, text, part.block_id,
                                    result.seq, parse_stamp(text)))
+
+
+def _note_rule_timeouts(result: ScanResult, matcher: Matcher) -> None:
+    """A user rule on the `regex` engine that ran out of time is named once in the problems."""
+    for compiled in matcher.rules:
+        if not compiled.timed_out:
+            continue
+        head = f"rule {compiled.rule.id} ({compiled.rule.path}) timed out"
+        note = (f"{head} on {compiled.timed_out} line(s), counted as no match"
+                + (" and then switched off" if compiled.disabled else "")
+                + ": give it an RE2-compatible pattern (no look-around or backreferences)")
+        result.problems[:] = [p for p in result.problems if not p.startswith(head)] + [note]
 
 
 def note_step(result: ScanResult, slot: int, source: int, number: int, text: str) -> bool:

@@ -47,18 +47,18 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     stream_stats = _merge_stats(scan, keys)
     facts = _rank_facts(stream_stats, failures, findings, scan.world_size)
     root = choose_root(findings, facts)
-    notes: list[str] = []
+    if root is None:
+        root = _unrecognised_exception(scan, keys, catalog)
+    if root is None and (failures or "traceback" in scan.block_kinds.values()):
+        root = warning_root(findings)
+    if root is None and failures:
+        root = _exit_only_root(failures, catalog)
     verdict = Verdict.FAILED if root is not None else Verdict.OK
     if root is None:
         root = _hang_from_progress(facts, catalog)
         if root is not None:
             verdict = Verdict.HUNG
-    if root is None and failures:
-        root = _exit_only_root(failures, catalog)
-        verdict = Verdict.FAILED if root else verdict
-    if root is None and (failures or "traceback" in scan.block_kinds.values()):
-        root = warning_root(findings)
-        verdict = Verdict.FAILED if root else verdict
+    notes: list[str] = []
     chain = build_chain(root, findings)
     notes += _child_failed_notes(failures, root)
     env = collect_environment(scan.probes, scan.banner_lines, [s.name for s in scan.sources])
@@ -123,6 +123,28 @@ def _exit_only_root(failures: list[ChildFailure], catalog: Catalog) -> RootCause
                                                                "A worker exited with an error code and left no message")
     return RootCause(rule, None, first.rank, (first.rank,) if first.rank is not None else (), 0.3,
                      (f"rank {first.rank} exited with code {first.exitcode}; its output holds no error",))
+
+
+def _unrecognised_exception(scan: ScanResult, keys: list[StreamKey], catalog: Catalog) -> RootCause | None:
+    """A traceback whose exception no rule knows (a type without an Error/Exception suffix): the
+    last such exception of a worker is the report, never an empty one for a failed run."""
+    for block_id in sorted(scan.block_exception_lines, reverse=True):
+        slot = scan.block_slots.get(block_id)
+        exception = scan.block_exceptions.get(block_id, "")
+        if slot is None or not exception:
+            continue
+        stream = keys[scan.slots.final(slot)]
+        if stream.kind is StreamKind.LAUNCHER:
+            continue
+        source, line = scan.block_exception_lines[block_id]
+        name = exception.split(":", 1)[0].strip()
+        rule = catalog.get("python.exception") or _fallback_rule("python.exception", Category.PYTHON_EXCEPTION,
+                                                                "Unhandled Python exception")
+        finding = Finding(rule, {"exception_type": name}, source, line, stream, stream.rank_or_none, exception,
+                          block_id, scan.seq + 1, None, "stream", exception)
+        return RootCause(rule, finding, finding.rank, (finding.rank,) if finding.rank is not None else (), 0.5,
+                         (f"no rule knows this exception; {name} ended the traceback",))
+    return None
 
 
 def _fallback_rule(rule_id: str, category: Category, title: str) -> Rule:

@@ -13,10 +13,13 @@ import regex
 from logtriage.catalog.rule import Engine, Rule
 
 # A look-around rule gets this long per line before the line counts as "no match" and the
-# rule is marked as having timed out (reported once, the run goes on).
+# rule is marked as having timed out; after MAX_TIMEOUTS such lines it is switched off for the
+# rest of the process (the report says so), so a pathological rule costs at most ~0.15 s.
 REGEX_TIMEOUT_S = 0.05
+MAX_TIMEOUTS = 3
 _RE2_OPTIONS = re2.Options()
 _RE2_OPTIONS.max_mem = 64 << 20
+_RE2_OPTIONS.log_errors = False   # a rule that does not compile is reported once, not logged by RE2 on stderr
 
 
 class PatternError(ValueError):
@@ -33,9 +36,15 @@ class CompiledRule:
     _search: tuple[Callable, ...]
     timed_out: int = 0
 
+    @property
+    def disabled(self) -> bool:
+        return self.timed_out >= MAX_TIMEOUTS
+
     def search(self, text: str) -> dict[str, str] | None:
         """Captures of the first pattern that matches `text` (empty dict if no groups), or None."""
         for search in self._search:
+            if self.timed_out >= MAX_TIMEOUTS:
+                return None
             try:
                 m = search(text)
             except TimeoutError:

@@ -74,6 +74,7 @@ class Assigner:
         self.blocks: dict[int, tuple[B.BlockKind, int]] = {}   # block id -> (kind, slot)
         self.exceptions: dict[int, str] = {}                    # traceback block id -> exception line
         self.collectives: dict[int, str] = {}                   # traceback block id -> c10d function
+        self.exception_lines: dict[int, int] = {}               # traceback block id -> its exception line
 
     # -- public -------------------------------------------------------------------------------
     def feed(self, line: str) -> list[Part]:
@@ -202,6 +203,8 @@ class Assigner:
             self.exceptions[block.block_id] = exception
         if block.state.get("collective"):
             self.collectives[block.block_id] = block.state["collective"]
+        if block.state.get("exception_line"):
+            self.exception_lines[block.block_id] = block.state["exception_line"]
         becomes_cfe = bool(L.CFE_START.search(exception))
         if block.bare:
             self.slots.redirect[block.slot] = self._bare_owner(block, exception, becomes_cfe)
@@ -240,6 +243,13 @@ class Assigner:
     def idle(self) -> bool:
         """No open block and no pending decision: the next plain line's slot depends on it alone."""
         return self.block is None and self.pending_rule is None
+
+    def note_line_number(self, number: int) -> None:
+        """Tell the open traceback which input line just reached its exception line."""
+        block = self.block
+        if block is not None and block.kind is B.BlockKind.TRACEBACK and "exception" in block.state \
+                and "exception_line" not in block.state:
+            block.state["exception_line"] = number
 
     def slot_for_rank(self, rank: int | None) -> int:
         """The slot a plain line of this rank (None: no rank) gets."""

@@ -6,8 +6,9 @@ or day gets the same key; another failure gets another.
 
 Components (version 1): the root-cause rule id, its category, and the root-cause line with its
 volatile parts masked: log prefixes (glog, rank, timestamp) removed; timestamps, URLs, paths,
-IP addresses, host names, hex ids and addresses, long random tokens, and every number but an exit
-code, signal or errno replaced by a placeholder. The version is part of the hashed text and of the
+IP addresses, host names, hex ids and addresses, long random tokens, sizes (an OOM of 132 MiB
+and one of 14 GiB are one failure), and every number but an exit code, signal or errno replaced
+by a placeholder; then only its first two sentences are kept. The version is part of the hashed text and of the
 stored key, so a new algorithm never lands on an old key by accident: an upgrade adds a version
 here and keeps the old ones (see docs/incidents.md, "Changing the algorithm").
 """
@@ -21,6 +22,7 @@ from typing import Callable
 from logtriage.incidents.models import Fingerprint
 
 MAX_BASIS = 300
+_SENTENCE_END = re.compile(r"[.!?](?=\s)")
 
 _PREFIXES = (
     re.compile(r"^\s*\[(?:rank|default)?\d+\]:\s*"),                              # [rank2]:, [default0]:
@@ -42,6 +44,7 @@ _MASKS: tuple[tuple[re.Pattern, str | Callable[[re.Match], str]], ...] = (
     (re.compile(r"\[?\b(?:[0-9a-f]{1,4}:){2,7}[0-9a-f]{0,4}\]?(?::\d+)?", re.I), "<ip>"),
     (re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b", re.I), "<uuid>"),
     (re.compile(r"\bON \S+ CANCELLED"), "ON <host> CANCELLED"),
+    (re.compile(r"\b\d+(?:\.\d+)? ?(?:[KMGTP]i?B|bytes|B)\b"), "<size>"),      # 709.69 MiB, 3.00 GiB
     (re.compile(r"\b(?=[\w+/=-]*\d)(?=[\w+/=-]*[A-Za-z])[\w+/=-]{20,}"), "<id>"),
     # Exit codes, signals and errnos are the diagnosis: kept. Other numbers, and short hex words
     # with a digit (PCI bus ids, `c10d`), become <n>; addresses and long hex ids <hex>.
@@ -70,6 +73,11 @@ def _basis_v1(rule_id: str, category: str, text: str) -> str:
     line = strip_prefixes(text)
     for pattern, replacement in _MASKS:
         line = pattern.sub(replacement, line)
+    # Two sentences name the failure; what follows is circumstance (the OOM's "Process 2521 has
+    # 3 GiB in use", the allocator hints) that varies between runs of the same failure.
+    ends = [m.end() for m in _SENTENCE_END.finditer(line)]
+    if len(ends) >= 2:
+        line = line[:ends[1]]
     return f"{rule_id}|{category}|{line.strip()[:MAX_BASIS]}"
 
 

@@ -62,11 +62,14 @@ def pivot_text(table: "pd.DataFrame", period: str) -> str:
 
 
 def write_table(table: "pd.DataFrame", csv: str | None = None, parquet: str | None = None) -> None:
-    if csv:
-        table.to_csv(csv, index=False, date_format="%Y-%m-%d")
-    if parquet:
-        try:
-            import pyarrow  # noqa: F401  (pandas needs it for Parquet)
-        except ImportError as exc:
-            raise TriageError("Parquet export needs pyarrow: pip install 'logtriage[parquet]'") from exc
-        table.to_parquet(parquet, index=False)
+    try:
+        if csv:
+            table.to_csv(csv, index=False, date_format="%Y-%m-%d")
+        if parquet:
+            try:
+                import pyarrow  # noqa: F401  (pandas needs it for Parquet)
+            except ImportError as exc:
+                raise TriageError("Parquet export needs pyarrow: pip install 'logtriage[parquet]'") from exc
+            table.to_parquet(parquet, index=False)
+    except OSError as exc:
+        raise UsageError(f"cannot write {csv or parquet}: {exc}") from exc

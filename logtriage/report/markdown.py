@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from logtriage.report.model import Report
 from logtriage.report.safe import markdown_code_block, markdown_code_span as code, markdown_inline as md
-from logtriage.report.text import ranges
+from logtriage.report.text import ranges, who_of
 
 
 def render_markdown(report: Report) -> str:
@@ -13,7 +13,7 @@ def render_markdown(report: Report) -> str:
     if rc is None:
         out += [f"## triage: {report.verdict}", "", f"No failure found in {report.input_lines} lines."]
     else:
-        who = f"ranks {ranges(rc.ranks)}" if len(rc.ranks) > 1 else (f"rank {rc.rank}" if rc.rank is not None else "launcher")
+        who = who_of(rc.rank, rc.ranks, rc.stream)
         out += [f"## triage: {report.verdict} — {md(who)}: {md(rc.title)}", ""]
         out += ["| | |", "|---|---|",
                 f"| rule | {code(rc.rule_id)} |", f"| category | {md(rc.category)} |",

@@ -14,14 +14,14 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from logtriage.api import TriageOptions, TriageRun
 from logtriage.errors import TriageError
 from logtriage.tui.actions import ViewActions
 from logtriage.tui.model.align import merge_by_time
 from logtriage.tui.model.keys import KEYS
 from logtriage.tui.model.lines import extend_index
 from logtriage.tui.model.search import Query
-from logtriage.tui.model.session import Inputs, Phase, Progress, full_index, open_store, triage, wait_for_spools
+from logtriage.tui.model.session import (Inputs, Phase, Progress, Settings, full_index, open_store, triage,
+                                         wait_for_spools)
 from logtriage.tui.model.streams import Triaged, build_triaged
 from logtriage.tui.model.views import Mode
 from logtriage.tui.widgets.findings import FindingsPanel
@@ -48,10 +48,10 @@ class TriageApp(ViewActions, App[None]):
     """
     BINDINGS = [Binding(k.key, k.action, k.label, key_display=k.shown) for k in KEYS]
 
-    def __init__(self, inputs: Inputs, options: TriageOptions = TriageOptions(), follow: bool = False) -> None:
+    def __init__(self, inputs: Inputs, settings: Settings = Settings(), follow: bool = False) -> None:
         super().__init__()
         self.inputs = inputs
-        self.options = options
+        self.settings = settings
         self.progress = Progress()
         self.store = None
         self.triaged: Triaged | None = None
@@ -94,7 +94,7 @@ class TriageApp(ViewActions, App[None]):
         self.log_view.focus()
         self.set_interval(0.25, self._tick)
         self.set_interval(POLL_S, self._poll_growth)
-        self._load(first=True)
+        self.call_after_refresh(self._load, True)       # the first screen first, then the work
 
     def on_unmount(self) -> None:
         if self.store is not None:
@@ -111,7 +111,7 @@ class TriageApp(ViewActions, App[None]):
                 return
             self.call_from_thread(self._install_index, indexed)
             size = sum(size for _, _, size in indexed)
-            run = triage(self.inputs, self.options, self.progress)
+            run = triage(self.inputs, self.settings, self.progress)
         except TriageError as exc:
             self.progress.set(Phase.FAILED)
             self.call_from_thread(self._load_failed, str(exc))
@@ -129,7 +129,8 @@ class TriageApp(ViewActions, App[None]):
         if self.view_mode is Mode.ALL:
             self._apply_view(keep)
 
-    def _install_triage(self, run: TriageRun, size: int, first: bool) -> None:
+    def _install_triage(self, run, size: int, first: bool) -> None:
+        self._share_index(run)
         self.triaged = build_triaged(run, self.store)
         self._triaged_size = size
         self.progress.set(Phase.READY)
@@ -151,6 +152,15 @@ class TriageApp(ViewActions, App[None]):
                 self.notify("triage ready: r jumps to the root cause", timeout=4)
             self._apply_view(self.log_view.cursor_gid())
         self._status()
+
+    def _share_index(self, run) -> None:
+        """Read lines through the scan's own offsets where they are the viewer's: one index in memory."""
+        for index, source in enumerate(self.store.sources[:len(run.scan.indexes)]):
+            offsets = run.scan.indexes[index].offsets
+            if len(offsets) == len(source.offsets) and len(offsets):
+                shared = np.frombuffer(offsets, np.int64)
+                if np.array_equal(shared, source.offsets):
+                    self.store.update(index, shared, source.size)
 
     def _load_failed(self, message: str) -> None:
         self.failure = message

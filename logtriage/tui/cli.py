@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from logtriage.api import TriageOptions
 from logtriage.errors import UsageError
 from logtriage.ingest.sources import discover
 from logtriage.tui.model.keys import keys_help
@@ -34,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from logtriage.tui.model.session import resolve
+    from logtriage.tui.model.session import Settings, resolve
     from logtriage.tui.model.spool import spool_stdin
 
     inputs = list(args.inputs)
@@ -58,8 +57,7 @@ def run(args: argparse.Namespace) -> int:
         raise
     try:
         from logtriage.tui.app import TriageApp
-        options = TriageOptions(tuple(args.patterns), False, not args.no_redact)
-        TriageApp(resolved, options, follow=args.follow).run()
+        TriageApp(resolved, Settings(tuple(args.patterns), not args.no_redact), follow=args.follow).run()
     finally:
         resolved.close()
     return 0

@@ -6,18 +6,27 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from logtriage.api import TriageOptions, TriageRun, run_triage
 from logtriage.ingest.sources import discover
 from logtriage.tui.model.lines import HEAD_BYTES, LineStore, extend_index, open_head
 from logtriage.tui.model.spool import Spool, is_gzip, spool_gzip
 
+if TYPE_CHECKING:
+    from logtriage.api import TriageRun
+
 QUIET_S = 1.0          # a spool that stopped growing this long is triaged as it is
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How to triage (the library itself is imported by the worker, after the first screen)."""
+    patterns: tuple[str, ...] = ()
+    redact: bool = True
 
 
 class Phase(str, Enum):
@@ -112,10 +121,12 @@ def full_index(store: LineStore, progress: Progress) -> list[tuple[int, np.ndarr
     return out
 
 
-def triage(inputs: Inputs, options: TriageOptions, progress: Progress) -> TriageRun:
+def triage(inputs: Inputs, settings: Settings, progress: Progress) -> "TriageRun":
+    from logtriage.api import TriageOptions, run_triage
     total = sum(_size_of(p) for p in inputs.paths)
     progress.set(Phase.TRIAGE, 0, total)
-    return run_triage(inputs.triage_inputs, replace(options, progress=lambda offset: _add(progress, offset)))
+    options = TriageOptions(settings.patterns, redact=settings.redact, progress=lambda offset: _add(progress, offset))
+    return run_triage(inputs.triage_inputs, options)
 
 
 def _add(progress: Progress, offset: int) -> None:

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from logtriage.analysis.findings import Finding
-from logtriage.api import TriageRun
-from logtriage.catalog.rule import Rule
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.tui.model.lines import LineStore
 
+if TYPE_CHECKING:                     # the library loads in the worker, after the first screen
+    from logtriage.analysis.findings import Finding
+    from logtriage.api import TriageRun
+    from logtriage.catalog.rule import Rule
+
 MAX_BLOCK_LINES = 200
+KEEP_STREAMS = 6
 _KIND_ORDER = {StreamKind.RANK: 0, StreamKind.LAUNCHER: 1, StreamKind.BANNER: 2, StreamKind.PROBE: 3,
                StreamKind.UNATTRIBUTED: 4}
 
@@ -53,7 +57,7 @@ class StreamRow:
 class FindingRow:
     gid: int
     mark: Mark
-    rule: Rule
+    rule: "Rule"
     ranks: tuple[int, ...]
     text: str
     count: int
@@ -62,11 +66,11 @@ class FindingRow:
 
 @dataclass(frozen=True)
 class Triaged:
-    run: TriageRun
+    run: "TriageRun"
     rows: tuple[StreamRow, ...]
     stream_of_line: np.ndarray        # stream row of every line the triage read (by gid)
     marks: dict[int, Mark]            # gid -> highlight
-    rules: dict[int, Rule]            # gid -> the rule that explains the line
+    rules: dict[int, "Rule"]            # gid -> the rule that explains the line
     findings: tuple[FindingRow, ...]  # the chain first, then every finding once per rule and rank
     root_gid: int | None
     root_stream: int | None
@@ -74,10 +78,13 @@ class Triaged:
     _by_stream: dict[int, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
 
     def stream_gids(self, stream: int) -> np.ndarray:
-        gids = self._by_stream.get(stream)
+        """The lines of a stream, ascending (the last few streams asked for are kept)."""
+        gids = self._by_stream.pop(stream, None)
         if gids is None:
             gids = np.flatnonzero(self.stream_of_line == stream).astype(np.int64)
-            self._by_stream[stream] = gids
+        self._by_stream[stream] = gids
+        while len(self._by_stream) > KEEP_STREAMS:
+            self._by_stream.pop(next(iter(self._by_stream)))
         return gids
 
     def stream_at(self, gid: int) -> int | None:
@@ -87,7 +94,7 @@ class Triaged:
         return None
 
 
-def build_triaged(run: TriageRun, store: LineStore) -> Triaged:
+def build_triaged(run: "TriageRun", store: LineStore) -> Triaged:
     diag, scan = run.diagnosis, run.scan
     summaries = sorted(diag.streams, key=lambda s: (_KIND_ORDER[s.key.kind], s.key))
     row_of_key = {s.key: i for i, s in enumerate(summaries)}
@@ -142,7 +149,7 @@ def _status(status: str, role: str) -> Status:
         return Status.UNKNOWN
 
 
-def mark_of(finding: Finding, root_signature: str | None) -> Mark:
+def mark_of(finding: "Finding", root_signature: str | None) -> Mark:
     if root_signature is not None and finding.signature == root_signature:
         return Mark.INITIATING
     if finding.is_teardown:
@@ -152,10 +159,10 @@ def mark_of(finding: Finding, root_signature: str | None) -> Mark:
     return Mark.CONTEXT
 
 
-def _marks(findings, root, store: LineStore) -> tuple[dict[int, Mark], dict[int, Rule]]:
+def _marks(findings, root, store: LineStore) -> tuple[dict[int, Mark], dict[int, "Rule"]]:
     signature = root.finding.signature if root is not None and root.finding is not None else None
     marks: dict[int, Mark] = {}
-    rules: dict[int, Rule] = {}
+    rules: dict[int, "Rule"] = {}
     for f in findings:
         gid = store.gid(f.source, f.line)
         mark = mark_of(f, signature)
@@ -202,7 +209,7 @@ def _finding_rows(diag, marks: dict[int, Mark], store: LineStore) -> tuple[Findi
     for link in diag.chain:
         gid = store.gid(link.first.source, link.first.line)
         rows.append(FindingRow(gid, Mark(link.role.value), link.rule, link.ranks, link.first.text, link.count, True))
-    grouped: dict[tuple, list[Finding]] = {}
+    grouped: dict[tuple, list] = {}
     for f in diag.findings:
         grouped.setdefault((f.rule.id, f.rank, f.stream.attempt, f.rank is None and f.stream.label()), []).append(f)
     for group in sorted(grouped.values(), key=lambda g: g[0].seq):
