@@ -13,7 +13,7 @@ def render_markdown(report: Report) -> str:
     if rc is None:
         out += [f"## triage: {report.verdict}", "", f"No failure found in {report.input_lines} lines."]
     else:
-        who = who_of(rc.rank, rc.ranks, rc.stream)
+        who = who_of(rc.rank, rc.ranks, rc.stream, rc.layer)
         out += [f"## triage: {report.verdict} — {md(who)}: {md(rc.title)}", ""]
         out += ["| | |", "|---|---|",
                 f"| rule | {code(rc.rule_id)} |", f"| category | {md(rc.category)} |",

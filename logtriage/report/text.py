@@ -46,7 +46,7 @@ def render_text(report: Report, color: bool = False) -> str:
                    f"{report.input_lines} lines ({len(report.ranks)} ranks)")
     else:
         what = _short(rc.text, 90) if rc.rule_id == "python.exception" and rc.text else rc.title
-        head = f"triage: {verdict} — {who_of(rc.rank, rc.ranks, rc.stream)}: {what}"
+        head = f"triage: {verdict} — {who_of(rc.rank, rc.ranks, rc.stream, rc.layer)}: {what}"
         out.append((s.red if report.verdict == "failed" else s.yellow)(terminal_safe(head)))
         out.append("")
         facts = [f"rule {rc.rule_id}", f"category {rc.category}"]
@@ -92,10 +92,10 @@ def render_text(report: Report, color: bool = False) -> str:
     return terminal_safe_document("\n".join(out), keep_colour=color) + "\n"
 
 
-def who_of(rank: int | None, ranks: tuple[int, ...], stream: str | None = "launcher") -> str:
+def who_of(rank: int | None, ranks: tuple[int, ...], stream: str | None = "launcher", layer: str | None = None) -> str:
     """'rank 2', 'ranks 0–7', 'launcher' (a launcher-level failure) or 'rank unknown'."""
     if rank is None and not ranks:
-        return "launcher" if stream in (None, "launcher") else "rank unknown"
+        return "launcher" if stream in (None, "launcher") or layer == "launcher" else "rank unknown"
     return _who(rank, ranks)
 
 
