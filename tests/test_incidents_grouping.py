@@ -55,6 +55,10 @@ def test_volatile_parts_are_masked_and_the_version_is_in_the_key():
      "socketStartConnect: Connect to 10.0.7.3<41000> failed : No route to host"),
     ("slurmstepd: error: *** STEP 32233190.0 ON nid00001 CANCELLED AT 2020-07-03T02:59:56 DUE TO TIME LIMIT ***",
      "slurmstepd: error: *** STEP 4410.0 ON gpu-a17 CANCELLED AT 2024-01-13T11:00:00 DUE TO TIME LIMIT ***"),
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 14.06 GiB. GPU 2 has a total capacity of "
+     "79.25 GiB of which 6.96 GiB is free.",
+     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 132.00 MiB. GPU 3 has a total capacity of "
+     "79.10 GiB of which 98.00 MiB is free."),
     ("Duplicate GPU detected : rank 3 and rank 0 both on CUDA device f000",
      "Duplicate GPU detected : rank 1 and rank 2 both on CUDA device 1000"),
 ])
