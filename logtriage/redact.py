@@ -21,6 +21,8 @@ import re
 from dataclasses import fields, is_dataclass, replace
 from typing import Any, Callable, Iterable, Mapping
 
+from logtriage.errors import UsageError
+
 EXTRAS = ("hosts", "paths", "ips")
 MARK = "[REDACTED:{}]"
 
@@ -144,7 +146,6 @@ class Redactor:
         self.extra = frozenset(extra)
         unknown = self.extra - set(EXTRAS)
         if unknown:
-            from logtriage.errors import UsageError
             raise UsageError(f"redaction extras are {', '.join(EXTRAS)} (got {', '.join(sorted(unknown))})")
         self._secrets = _combine(name for name, _, option in _PATTERNS if option is None)
         extras = [name for name, _, option in _PATTERNS if option in self.extra]
