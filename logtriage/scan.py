@@ -113,13 +113,15 @@ class LineScanner:
         self.banner_slot = result.slots.fixed(StreamKind.BANNER)
         self.lines = 0
 
-    def line(self, number: int, offset: int, raw: bytes, may_match: bool = True) -> None:
-        """Process one physical line. `may_match=False`: the caller proved no rule can match it."""
+    def line(self, number: int, offset: int, raw: bytes, may_match: bool = True, index: bool = True) -> int:
+        """Process one physical line; returns the slot of its first part. `may_match=False`: the
+        caller proved no rule can match it; `index=False`: the caller records offset and slot."""
         result = self.result
         parts = self.assigner.feed(clean(decode(raw)))
         self.assigner.note_line_number(number)
-        self.index.offsets.append(offset)
-        self.index.slots.append(parts[0].slot)
+        if index:
+            self.index.offsets.append(offset)
+            self.index.slots.append(parts[0].slot)
         result.fragments += len(parts) - 1
         for part in parts:
             result.seq += 1
@@ -131,6 +133,7 @@ class LineScanner:
         if stats.first_line is None:
             stats.first_line = (self.source.index, number)
         self.lines = number
+        return parts[0].slot
 
     def close(self) -> None:
         result, assigner = self.result, self.assigner

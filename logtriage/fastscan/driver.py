@@ -1,12 +1,13 @@
 """The fast scan: read big chunks, classify their lines in compiled code and prefilter them with
-one RE2 pass, then merge in input order (merge.py). Chunks are analysed by a worker process
-while the main process merges the previous one, so both cores work on a big log."""
+one RE2 pass (in worker processes, one per core), then merge in input order (merge.py) while
+the workers analyse the next chunks."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 import zlib
+from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Callable, Iterator
 
@@ -16,12 +17,14 @@ from logtriage.catalog.matcher import Matcher
 from logtriage.demux.clean import clean, decode
 from logtriage.demux.prefixes import Dialect
 from logtriage.errors import InputError
-from logtriage.fastscan.merge import ChunkLines, merge_chunk
+from logtriage.fastscan.flags import CANDIDATE
+from logtriage.fastscan.merge import ChunkLines, ChunkMerger
 from logtriage.ingest.reader import open_source
-from logtriage.ingest.sources import Source
+from logtriage.ingest.sources import GZIP_MAGIC, Source
 from logtriage.scan import DIALECT_SAMPLE, LineScanner, ScanResult, SourceIndex, new_result
 
 CHUNK_BYTES = 32 << 20
+IN_FLIGHT = 3            # chunks analysed ahead of the merge (file buffers in the ring: IN_FLIGHT + 1)
 _PREFILTER = None
 
 
@@ -47,58 +50,63 @@ def fast_scan(sources: tuple[Source, ...], matcher: Matcher, progress: Callable[
 
 
 def _scan_source(result, source, index, matcher, prefilter, pool, progress) -> None:
-    chunks = _chunks(source, index)
+    path = None if source.is_stdin or _is_gzip(source) else str(source.path)
+    chunks = _file_chunks(source) if path is not None else _stream_chunks(source, index)
     first = next(chunks, None)
     if first is None:
         LineScanner(result, source, index, matcher, Dialect()).close()
         return
     base, data = first
-    head = data.split(b"\n", DIALECT_SAMPLE)[:DIALECT_SAMPLE]
+    head = bytes(data[: 1 << 20]).split(b"\n", DIALECT_SAMPLE)[:DIALECT_SAMPLE]
     dialect = Dialect.detect(clean(decode(raw)) for raw in head)
     scanner = LineScanner(result, source, index, matcher, dialect)
-    rank_hint = -1 if source.rank_hint is None else source.rank_hint
     if dialect.srun or dialect.hosts:
-        _exact(scanner, [(base, data)], chunks)   # launcher prefixes the kernel does not parse
+        _exact(scanner, _chain([first], chunks))   # launcher prefixes the kernel does not parse
         scanner.close()
         return
+    rank_hint = -1 if source.rank_hint is None else source.rank_hint
+    merger = ChunkMerger(scanner)
     number = 1
-    pending: tuple[int, bytes, Future | ChunkLines] | None = None
-    path = None if source.is_stdin or _is_gzip(source) else str(source.path)
-    for base, data in _chain([(base, data)], chunks):
+    pending: deque = deque()
+    for base, data in _chain([first], chunks):
         if pool is None:
             job = _analyse(data, rank_hint, prefilter)
         elif path is not None:
             job = pool.submit(_analyse_file, path, base, len(data), rank_hint)   # the worker reads it itself
         else:
-            job = pool.submit(_analyse, data, rank_hint)
-        if pending is not None:
-            number = _merge(scanner, pending, number, progress)
-        pending = (base, data, job)
-    if pending is not None:
-        _merge(scanner, pending, number, progress)
+            job = pool.submit(_analyse, bytes(data), rank_hint)
+        pending.append((base, data, job))
+        if len(pending) >= IN_FLIGHT:
+            number = _merge(merger, pending.popleft(), number, progress)
+    while pending:
+        number = _merge(merger, pending.popleft(), number, progress)
     scanner.close()
 
 
-def _merge(scanner: LineScanner, pending, number: int, progress) -> int:
+def _merge(merger: ChunkMerger, pending, number: int, progress) -> int:
     base, data, job = pending
     lines = job.result() if isinstance(job, Future) else job
-    merge_chunk(scanner, data, base, number, lines)
+    merger.merge(data, base, number, lines)
     if progress is not None:
         progress(base + len(data))
     return number + len(lines.starts)
 
 
-def _exact(scanner: LineScanner, first, chunks) -> None:
+def _exact(scanner: LineScanner, chunks) -> None:
     number = 0
-    for base, data in _chain(first, chunks):
+    for base, data in chunks:
+        data = bytes(data)
         offset = base
-        for raw in data.split(b"\n")[: data.count(b"\n") + (0 if data.endswith(b"\n") else 1)]:
+        pieces = data.split(b"\n")
+        if data.endswith(b"\n"):
+            pieces.pop()
+        for raw in pieces:
             number += 1
             scanner.line(number, offset, raw)
             offset += len(raw) + 1
 
 
-def _analyse(data: bytes, rank_hint: int, prefilter=None) -> ChunkLines:
+def _analyse(data, rank_hint: int, prefilter=None) -> ChunkLines:
     from logtriage.fastscan import kernel
     prefilter = prefilter or _PREFILTER
     buf = np.frombuffer(data, dtype=np.uint8)
@@ -110,8 +118,8 @@ def _analyse(data: bytes, rank_hint: int, prefilter=None) -> ChunkLines:
     cuts = np.empty(n, dtype=np.int32)
     ranks2 = np.empty(n, dtype=np.int64)
     kernel.classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2)
-    candidates = prefilter.candidate_lines(data, starts)
-    flags[candidates] |= kernel.CANDIDATE
+    candidates = prefilter.candidate_lines(data if isinstance(data, bytes) else bytes(data), starts)
+    flags[candidates] |= CANDIDATE
     return ChunkLines(starts, messages, ranks, flags, cuts, ranks2)
 
 
@@ -124,7 +132,7 @@ def _analyse_file(path: str, offset: int, length: int, rank_hint: int) -> ChunkL
 def _is_gzip(source: Source) -> bool:
     try:
         with open(source.path, "rb") as f:
-            return f.read(2) == b"\x1f\x8b"
+            return f.read(2) == GZIP_MAGIC
     except OSError:
         return False
 
@@ -144,8 +152,44 @@ def _pool(workers: int | None, prefilter) -> ProcessPoolExecutor | None:
                                initargs=(prefilter,))
 
 
-def _chunks(source: Source, index: SourceIndex) -> Iterator[tuple[int, bytes]]:
-    """(offset, bytes) of whole-line chunks; stdin is spooled to a temp file on the way."""
+def _file_chunks(source: Source) -> Iterator[tuple[int, memoryview]]:
+    """(offset, whole-line chunk) of a regular file, read into a small ring of reused buffers
+    (a chunk stays valid until IN_FLIGHT more have been read)."""
+    try:
+        fd = os.open(source.path, os.O_RDONLY)
+    except OSError as exc:
+        raise InputError(f"{source.name}: cannot open ({exc.strerror or exc})") from None
+    ring = [bytearray(CHUNK_BYTES) for _ in range(IN_FLIGHT + 1)]
+    turn = offset = 0
+    try:
+        while True:
+            buf = ring[turn % len(ring)]
+            got = os.preadv(fd, [buf], offset)
+            if got == 0:
+                return
+            size = got
+            if got == len(buf):                       # not at the end: stop after the last newline
+                cut = buf.rfind(b"\n", 0, got)
+                while cut < 0:                        # a line longer than the buffer: a bigger one
+                    bigger = bytearray(2 * len(buf))
+                    bigger[:got] = buf[:got]
+                    buf = ring[turn % len(ring)] = bigger
+                    more = os.preadv(fd, [memoryview(buf)[got:]], offset + got)
+                    got += more
+                    if more == 0 or got < len(buf):
+                        cut = got - 1                 # the end of the file
+                        break
+                    cut = buf.rfind(b"\n", 0, got)
+                size = cut + 1
+            yield offset, memoryview(buf)[:size]
+            offset += size
+            turn += 1
+    finally:
+        os.close(fd)
+
+
+def _stream_chunks(source: Source, index: SourceIndex) -> Iterator[tuple[int, bytes]]:
+    """(offset, bytes) of whole-line chunks of stdin or a .gz; stdin is spooled to a temp file."""
     spool = None
     if source.is_stdin:
         spool = index.spool = tempfile.TemporaryFile()

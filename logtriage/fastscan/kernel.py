@@ -16,13 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-NOT_PLAIN = np.uint8(1)
-STEP = np.uint8(2)          # the message holds "tep" or "ter": maybe a progress line
-STEP2 = np.uint8(4)         # the second part of a glued line holds "tep" or "ter"
-EMPTY = np.uint8(8)         # an empty line: it joins the stream of the line before it
-CANDIDATE = np.uint8(16)    # the prefilter found something a rule or the demuxer may care about
-NO_RANK = -1
-INHERIT = -3                # the slot of the previous line's last part
+from logtriage.fastscan.flags import EMPTY, INHERIT, NO_RANK, NOT_PLAIN, STEP, STEP2  # noqa: F401
 MAX_PLAIN_LINE = 1900       # longer lines take the exact path (its step/world checks are length-bound)
 MARKER_HEAD = 120           # find_rank_marker looks at text[:120]
 

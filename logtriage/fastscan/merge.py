@@ -9,8 +9,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from logtriage.fastscan.kernel import CANDIDATE, EMPTY, INHERIT, NOT_PLAIN, STEP, STEP2
+from logtriage.fastscan.flags import CANDIDATE, INHERIT, NOT_PLAIN, STEP, STEP2
 from logtriage.scan import LineScanner, SlotStats, note_step
+
+LUT_RANKS = 1 << 20
 
 
 @dataclass
@@ -22,42 +24,6 @@ class ChunkLines:
     flags: np.ndarray      # uint8
     cuts: np.ndarray       # int32: where a glued second part starts (0: not glued)
     ranks2: np.ndarray     # int64: rank of the second part
-
-
-def merge_chunk(scanner: LineScanner, data: bytes, base: int, first_number: int, lines: ChunkLines) -> None:
-    n = len(lines.starts)
-    if n == 0:
-        return
-    starts = lines.starts
-    ends = np.empty(n, dtype=np.int64)
-    ends[:-1] = starts[1:] - 1
-    ends[-1] = len(data) - 1 if data.endswith(b"\n") else len(data)
-    not_plain = (lines.flags & (NOT_PLAIN | CANDIDATE)) != 0
-    slow = not_plain.copy()
-    slow[1:] |= not_plain[:-1]      # the line after a special one: it may settle a pending state
-    slow[:-1] |= not_plain[1:]      # the line before one: it may open a block the special line continues
-    slow[-1] = True                 # the next chunk's first line is not known here
-    slow_at = np.flatnonzero(slow)
-    slot_of = np.full(n, -1, dtype=np.int64)     # per plain line: its slot (for progress lines)
-    last_of = np.full(n, -1, dtype=np.int64)     # per plain glued line: its second part's slot
-    assigner = scanner.assigner
-    if getattr(scanner, "rank_slots", None) is None:
-        scanner.rank_slots = RankSlots(assigner)
-    i = 0
-    while i < n:
-        if slow[i] or not assigner.idle:
-            may_match = bool(lines.flags[i] & (CANDIDATE | NOT_PLAIN))
-            scanner.line(first_number + i, base + int(starts[i]), data[starts[i]:ends[i]], may_match)
-            i += 1
-            continue
-        k = int(np.searchsorted(slow_at, i))
-        j = int(slow_at[k]) if k < len(slow_at) else n
-        _plain_run(scanner, base, first_number, lines, i, j, slot_of, last_of)
-        i = j
-    _progress_lines(scanner, data, first_number, lines, ends, slot_of, last_of)
-
-
-LUT_RANKS = 1 << 20
 
 
 class RankSlots:
@@ -94,48 +60,98 @@ class RankSlots:
         return self.assigner.slot_for_rank(None if rank < 0 else rank)
 
 
-def _plain_run(scanner: LineScanner, base: int, first_number: int, lines: ChunkLines, i: int, j: int,
-               slot_of: np.ndarray, last_of: np.ndarray) -> None:
-    result, assigner = scanner.result, scanner.assigner
-    ranks = lines.ranks[i:j]
-    glued = lines.cuts[i:j] > 0
-    inherit = ranks == INHERIT
-    lookup = scanner.rank_slots
-    first = lookup(np.where(inherit, -1, ranks))
-    last = first.copy()
-    if glued.any():
-        last[glued] = lookup(lines.ranks2[i:j][glued])
-    if inherit.any():
-        # an empty line joins the stream of the last part of the non-empty line before it
-        carrier = np.where(inherit, -1, np.arange(j - i))
-        np.maximum.accumulate(carrier, out=carrier)
-        before = assigner.last_slot
-        first = np.where(inherit, np.where(carrier >= 0, last[np.maximum(carrier, 0)], before), first)
-        last = np.where(inherit, first, last)
-    slots = first.astype(np.int32)
-    scanner.index.offsets.frombytes((lines.starts[i:j] + base).astype(np.int64).tobytes())
-    scanner.index.slots.frombytes(slots.tobytes())
-    pieces = int(glued.sum())
-    result.seq += (j - i) + pieces
-    result.fragments += pieces
-    counts = np.bincount(slots)
-    source = scanner.source.index
-    for slot in np.flatnonzero(counts).tolist():
-        stats = result.stats.get(slot)
-        if stats is None:
-            stats = result.stats[slot] = SlotStats()
-        stats.lines += int(counts[slot])
-        if stats.first_line is None:
-            stats.first_line = (source, first_number + i + int(np.argmax(slots == slot)))
-    slot_of[i:j] = slots
-    last_of[i:j] = np.where(glued, last, -1)
-    non_empty = np.flatnonzero(~inherit)
-    if len(non_empty):
-        assigner.after_plain_lines(int(last[non_empty[-1]]))
-    scanner.lines = first_number + j - 1
+class ChunkMerger:
+    """Merges the chunks of one source, in order, into its LineScanner."""
+
+    def __init__(self, scanner: LineScanner):
+        self.scanner = scanner
+        self.lookup = RankSlots(scanner.assigner)
+
+    def merge(self, data, base: int, first_number: int, lines: ChunkLines) -> None:
+        n = len(lines.starts)
+        if n == 0:
+            return
+        scanner, assigner = self.scanner, self.scanner.assigner
+        starts = lines.starts
+        ends = np.empty(n, dtype=np.int64)
+        ends[:-1] = starts[1:] - 1
+        ends[-1] = len(data) - 1 if data[-1:] == b"\n" else len(data)
+        not_plain = (lines.flags & (NOT_PLAIN | CANDIDATE)) != 0
+        slow = not_plain.copy()
+        slow[1:] |= not_plain[:-1]      # the line after a special one: it may settle a pending state
+        slow[:-1] |= not_plain[1:]      # the line before one: it may open a block the special line continues
+        slow[-1] = True                 # the next chunk's first line is not known here
+        slow_at = np.flatnonzero(slow)
+        slots = np.empty(n, dtype=np.int64)          # first-part slot of every line
+        last_of = np.full(n, -1, dtype=np.int64)     # second-part slot of plain glued lines
+        plain = np.zeros(n, dtype=bool)
+        i = 0
+        while i < n:
+            if slow[i] or not assigner.idle:
+                raw = bytes(data[starts[i]:ends[i]])
+                slots[i] = scanner.line(first_number + i, base + int(starts[i]), raw,
+                                        may_match=bool(lines.flags[i] & (CANDIDATE | NOT_PLAIN)), index=False)
+                i += 1
+                continue
+            k = int(np.searchsorted(slow_at, i))
+            j = int(slow_at[k]) if k < len(slow_at) else n
+            self._plain_run(lines, i, j, slots, last_of)
+            plain[i:j] = True
+            i = j
+        index = scanner.index
+        index.offsets.frombytes((starts + base).astype(np.int64).tobytes())
+        index.slots.frombytes(slots.astype(np.int32).tobytes())
+        self._plain_stats(first_number, slots, plain)
+        _progress_lines(scanner, data, first_number, lines, ends, np.where(plain, slots, -1), last_of)
+        scanner.lines = first_number + n - 1
+
+    def _plain_run(self, lines: ChunkLines, i: int, j: int, slots: np.ndarray, last_of: np.ndarray) -> None:
+        scanner, assigner = self.scanner, self.scanner.assigner
+        ranks = lines.ranks[i:j]
+        glued = lines.cuts[i:j] > 0
+        inherit = ranks == INHERIT
+        first = self.lookup(np.where(inherit, -1, ranks))
+        last = first.copy()
+        if glued.any():
+            last[glued] = self.lookup(lines.ranks2[i:j][glued])
+            pieces = int(glued.sum())
+            scanner.result.fragments += pieces
+            scanner.result.seq += pieces
+            last_of[i:j] = np.where(glued, last, -1)
+        if inherit.any():
+            # an empty line joins the stream of the last part of the non-empty line before it
+            carrier = np.where(inherit, -1, np.arange(j - i))
+            np.maximum.accumulate(carrier, out=carrier)
+            first = np.where(inherit, np.where(carrier >= 0, last[np.maximum(carrier, 0)], assigner.last_slot), first)
+            last = np.where(inherit, first, last)
+            non_empty = np.flatnonzero(~inherit)
+            if len(non_empty):
+                assigner.after_plain_lines(int(last[non_empty[-1]]))
+        else:
+            assigner.after_plain_lines(int(last[-1]))
+        slots[i:j] = first
+        scanner.result.seq += j - i
+
+    def _plain_stats(self, first_number: int, slots: np.ndarray, plain: np.ndarray) -> None:
+        """Line counts and first lines of the plain lines, once per chunk (the exact path's lines
+        counted themselves as they came)."""
+        if not plain.any():
+            return
+        result, source = self.scanner.result, self.scanner.source.index
+        chosen = slots[plain]
+        counts = np.bincount(chosen)
+        positions = np.flatnonzero(plain)
+        for slot in np.flatnonzero(counts).tolist():
+            stats = result.stats.get(slot)
+            if stats is None:
+                stats = result.stats[slot] = SlotStats()
+            stats.lines += int(counts[slot])
+            earliest = (source, first_number + int(positions[np.argmax(chosen == slot)]))
+            if stats.first_line is None or stats.first_line > earliest:
+                stats.first_line = earliest
 
 
-def _progress_lines(scanner: LineScanner, data: bytes, first_number: int, lines: ChunkLines,
+def _progress_lines(scanner: LineScanner, data, first_number: int, lines: ChunkLines,
                     ends: np.ndarray, slot_of: np.ndarray, last_of: np.ndarray) -> None:
     """Each stream's last progress line among the chunk's plain lines, unless a later line of the
     exact path already set it (the exact path records every one in order; the last one wins)."""
@@ -168,5 +184,5 @@ def _progress_lines(scanner: LineScanner, data: bytes, first_number: int, lines:
             text = data[start + int(lines.messages[line]): start + cut if cut else int(ends[line])]
         else:
             text = data[start + cut: int(ends[line])]
-        if note_step(result, slot, source, number, text.decode("ascii")):
+        if note_step(result, slot, source, number, bytes(text).decode("ascii")):
             done.add(slot)
