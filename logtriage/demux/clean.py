@@ -8,7 +8,9 @@ import re
 
 # CSI (colours, cursor moves), OSC (titles, hyperlinks; BEL or ST terminated), other 2-byte escapes.
 _ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]|\x9b[0-?]*[ -/]*[@-~]")
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+# C0 and C1 controls left after the escapes are gone (C1: a stray 0x9b CSI read as Latin-1
+# would otherwise hide the `Traceback` after it), so cleaning twice changes nothing.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 # tqdm and friends: `45%|####5     | 45/100 [00:01<00:01, 30.2it/s]`
 _PROGRESS_BAR = re.compile(r"\d%\||\d(?:it/s|s/it)\]|\[\d\d:\d\d<")
 

@@ -1,0 +1,30 @@
+"""How long the fuzzers may run. CI uses the defaults (all fuzz tests together well under three
+minutes on two cores); `LOGTRIAGE_FUZZ_SCALE=50 python -m pytest tests/test_fuzz*.py` digs deeper.
+Every fuzz test counts the inputs it tried in TRIED; `report_tried` prints them per module."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+from hypothesis import HealthCheck, settings
+
+SCALE = float(os.environ.get("LOGTRIAGE_FUZZ_SCALE", "1"))
+TRIED: Counter[str] = Counter()
+
+
+def fuzz_settings(examples: int) -> settings:
+    return settings(max_examples=max(1, int(examples * SCALE)), deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.function_scoped_fixture])
+
+
+def report_tried(request, prefix: str) -> None:
+    """Write `fuzz: <test> tried N inputs` lines for this module's tests to the terminal."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [f"fuzz: {name} tried {count} inputs" for name, count in sorted(TRIED.items())
+             if name.startswith(prefix)]
+    if reporter is not None and lines:
+        reporter.write_line("")
+        for line in lines:
+            reporter.write_line(line)
