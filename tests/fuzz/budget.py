@@ -21,10 +21,13 @@ def fuzz_settings(examples: int) -> settings:
 
 def report_tried(request, prefix: str) -> None:
     """Write `fuzz: <test> tried N inputs` lines for this module's tests to the terminal."""
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    plugins = request.config.pluginmanager
+    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
     lines = [f"fuzz: {name} tried {count} inputs" for name, count in sorted(TRIED.items())
              if name.startswith(prefix)]
-    if reporter is not None and lines:
+    if reporter is None or capture is None or not lines:
+        return
+    with capture.global_and_fixture_disabled():
         reporter.write_line("")
         for line in lines:
             reporter.write_line(line)

@@ -18,6 +18,8 @@ from tests.fuzz.strategies import physical_lines
 
 # What a terminal would obey: C0 controls except \t and \n, DEL, C1 controls (0x9b is CSI), bidi overrides.
 TERMINAL_UNSAFE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+# The same on raw output bytes: ESC, BEL..., C1 controls as UTF-8 (C2 80-9F), bidi overrides.
+RAW_TERMINAL_UNSAFE = re.compile(rb"[\x00-\x08\x0b-\x1f\x7f]|\xc2[\x80-\x9f]|\xe2\x80[\xaa-\xae]|\xe2\x81[\xa6-\xa9]")
 # Markdown outside fenced code: a raw tag opener would be HTML.
 _FENCED = re.compile(r"^(`{3,})text\n.*?\n\1$", re.MULTILINE | re.DOTALL)
 _RAW_TAG = re.compile(r"<[A-Za-z/!?]")
