@@ -308,17 +308,83 @@ def _has_step(buf, a, b):
     return False
 
 
+# Byte classes for the one pass over a chunk (_scan_bytes).
+_NEWLINE, _BAD, _BRACKET_CLOSE, _T, _BRACKET_OPEN = 1, 2, 3, 4, 5
+BYTE_CLASS = np.zeros(256, dtype=np.uint8)
+BYTE_CLASS[:32] = _BAD          # controls: ESC, CR, TAB, NUL... (cleaning would change the line)
+BYTE_CLASS[127:] = _BAD         # DEL and non-ASCII (decoding could)
+BYTE_CLASS[10] = _NEWLINE
+BYTE_CLASS[93] = _BRACKET_CLOSE
+BYTE_CLASS[116] = _T
+BYTE_CLASS[91] = _BRACKET_OPEN
+
+
+@njit(cache=True, nogil=True)
+def _scan_bytes(buf, classes, ends, bad, last_colon, first_step, last_step, brackets):
+    """One pass over the chunk: line ends, and per line whether it holds a byte a plain line may
+    not, where its last `]:` is, where "tep"/"ter" first and last occur, how many `[` it has."""
+    n = 0
+    size = buf.shape[0]
+    is_bad = False
+    colon = -1
+    step_a = -1
+    step_b = -1
+    opens = 0
+    for k in range(size):
+        c = classes[buf[k]]
+        if c == 0:
+            continue
+        if c == _NEWLINE:
+            ends[n] = k
+            bad[n] = is_bad
+            last_colon[n] = colon
+            first_step[n] = step_a
+            last_step[n] = step_b
+            brackets[n] = opens
+            n += 1
+            is_bad = False
+            colon = -1
+            step_a = -1
+            step_b = -1
+            opens = 0
+        elif c == _BAD:
+            is_bad = True
+        elif c == _BRACKET_CLOSE:
+            if k + 1 < size and buf[k + 1] == 58:
+                colon = k
+        elif c == _T:
+            if k + 2 < size and buf[k + 1] == 101 and (buf[k + 2] == 112 or buf[k + 2] == 114):
+                if step_a < 0:
+                    step_a = k
+                step_b = k
+        else:
+            opens += 1
+    if size > 0 and buf[size - 1] != 10:   # a last line without its newline
+        ends[n] = size
+        bad[n] = is_bad
+        last_colon[n] = colon
+        first_step[n] = step_a
+        last_step[n] = step_b
+        brackets[n] = opens
+        n += 1
+    return n
+
+
 @njit(cache=True, nogil=True)
 def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
     """Fill the per-line arrays for `buf` (whole lines); returns the number of lines."""
-    n = 0
+    cap = starts.shape[0]
+    ends = np.empty(cap, dtype=np.int64)
+    bad = np.empty(cap, dtype=np.bool_)
+    last_colon = np.empty(cap, dtype=np.int64)
+    first_step = np.empty(cap, dtype=np.int64)
+    last_step = np.empty(cap, dtype=np.int64)
+    brackets = np.empty(cap, dtype=np.int64)
+    count = _scan_bytes(buf, BYTE_CLASS, ends, bad, last_colon, first_step, last_step, brackets)
     i = 0
-    size = buf.shape[0]
-    while i < size:
-        end = i
-        while end < size and buf[end] != 10:
-            end += 1
-        flag = np.uint8(0)
+    for n in range(count):
+        end = ends[n]
+        flag = 0
         rank = NO_RANK
         cut = 0
         rank2 = NO_RANK
@@ -326,45 +392,26 @@ def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
         if end == i:
             flag = EMPTY
             rank = rank_hint if rank_hint >= 0 else INHERIT
-        elif end - i > MAX_PLAIN_LINE:
+        elif bad[n] or end - i > MAX_PLAIN_LINE:
             flag = NOT_PLAIN
         explicit = False
         if flag == 0:
-            local, after = _tee(buf, i, end)
-            if local >= 0:
-                rank = local
-                c = after
-                explicit = True
-            global_rank, after = _excepthook(buf, c, end)
-            if global_rank >= 0:
-                rank = global_rank
-                c = after
-                explicit = True
+            if buf[i] == 91:
+                local, after = _tee(buf, i, end)
+                if local >= 0:
+                    rank = local
+                    c = after
+                    explicit = True
+                global_rank, after = _excepthook(buf, c, end)
+                if global_rank >= 0:
+                    rank = global_rank
+                    c = after
+                    explicit = True
             if not explicit and rank_hint >= 0:
                 rank = rank_hint
                 explicit = True
-            if c >= end or buf[c] == 32:
-                flag = NOT_PLAIN
-        first_step = -1
-        last_step = -1
-        if flag == 0:
-            # one pass: bytes a plain line may not hold (controls such as ESC, CR, TAB, NUL, and
-            # non-ASCII, which cleaning or decoding would change), a `]:` inside the message (a
-            # glued torch prefix), and where "tep"/"ter" occur (progress lines)
-            for k in range(i, end):
-                ch = buf[k]
-                if ch < 32 or ch > 126:
-                    flag = NOT_PLAIN
-                    break
-                if k >= c and k + 1 < end:
-                    nxt = buf[k + 1]
-                    if ch == 93 and nxt == 58:
-                        flag = NOT_PLAIN
-                        break
-                    if ch == 116 and nxt == 101 and k + 2 < end and (buf[k + 2] == 112 or buf[k + 2] == 114):
-                        if first_step < 0:
-                            first_step = k
-                        last_step = k
+            if c >= end or buf[c] == 32 or last_colon[n] >= c:
+                flag = NOT_PLAIN   # empty message, a continuation, or a `]:` glued inside the message
         if flag == 0:
             first = buf[c]
             if first == 43 or first == 42 or first == 61 or first == 45 or first == 60:
@@ -378,7 +425,7 @@ def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
                                           or buf[c + 1] == 70) and _is_digit(buf[c + 2])
                 if not is_cpp and not _bracket_is_plain(buf, c, end):
                     flag = NOT_PLAIN
-        if flag == 0 and c == i and _user_marker_len(buf, c, end) > 0:
+        if flag == 0 and c == i and brackets[n] >= 2 and _user_marker_len(buf, c, end) > 0:
             # two ranks' prints glued on one line: `[rank 0] step 1 ...[rank 1] step 1 ...`
             lead = _leading(buf, i, end)
             found = 0
@@ -393,10 +440,15 @@ def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
                 rank2 = rank_hint if rank_hint >= 0 else _marker(buf, i + cut, end)
         if flag == 0 and not explicit:
             rank = _marker(buf, c, i + cut if cut > 0 else end)
-        if flag == 0 and first_step >= 0:
-            if cut == 0 or first_step + 2 < i + cut:
+        if flag == 0 and first_step[n] >= c:
+            if cut == 0 or first_step[n] + 2 < i + cut:
                 flag |= STEP
-            if cut > 0 and last_step >= i + cut:
+            if cut > 0 and last_step[n] >= i + cut:
+                flag |= STEP2
+        elif flag == 0 and last_step[n] >= c:
+            if cut == 0 or last_step[n] + 2 < i + cut:
+                flag |= STEP
+            if cut > 0 and last_step[n] >= i + cut:
                 flag |= STEP2
         starts[n] = i
         messages[n] = c - i
@@ -404,6 +456,5 @@ def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
         flags[n] = flag
         cuts[n] = cut
         ranks2[n] = rank2
-        n += 1
         i = end + 1
-    return n
+    return count
