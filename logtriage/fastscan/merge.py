@@ -139,14 +139,14 @@ class ChunkMerger:
             return
         result, source = self.scanner.result, self.scanner.source.index
         chosen = slots[plain]
-        counts = np.bincount(chosen)
         positions = np.flatnonzero(plain)
-        for slot in np.flatnonzero(counts).tolist():
+        values, first_at, counts = np.unique(chosen, return_index=True, return_counts=True)
+        for slot, at, count in zip(values.tolist(), first_at.tolist(), counts.tolist()):
             stats = result.stats.get(slot)
             if stats is None:
                 stats = result.stats[slot] = SlotStats()
-            stats.lines += int(counts[slot])
-            earliest = (source, first_number + int(positions[np.argmax(chosen == slot)]))
+            stats.lines += count
+            earliest = (source, first_number + int(positions[at]))
             if stats.first_line is None or stats.first_line > earliest:
                 stats.first_line = earliest
 
@@ -159,30 +159,28 @@ def _progress_lines(scanner: LineScanner, data, first_number: int, lines: ChunkL
     two = np.flatnonzero(((lines.flags & STEP2) != 0) & (last_of >= 0))
     if len(one) + len(two) == 0:
         return
-    line_ix = np.concatenate([one, two])
-    part = np.concatenate([np.zeros(len(one), np.int64), np.ones(len(two), np.int64)])
+    keys = np.concatenate([one * 2, two * 2 + 1])            # (line, part) in input order
     slots = np.concatenate([slot_of[one], last_of[two]])
-    order = np.lexsort((part, line_ix))[::-1]       # latest (line, part) first
+    order = np.lexsort((keys, slots))                          # by slot, then input order
+    sorted_slots = slots[order]
+    group_ends = np.flatnonzero(np.diff(sorted_slots)).tolist() + [len(order) - 1]
     result, source = scanner.result, scanner.source.index
-    done: set[int] = set()
-    wanted = len(np.unique(slots))
-    for at in order.tolist():
-        if len(done) == wanted:
-            break
-        slot = int(slots[at])
-        if slot in done:
-            continue
-        line = int(line_ix[at])
-        number = first_number + line
-        stats = result.stats.get(slot)
-        if stats is not None and stats.last_step_line is not None and stats.last_step_line >= (source, number):
-            done.add(slot)
-            continue
-        start = int(lines.starts[line])
-        cut = int(lines.cuts[line])
-        if part[at] == 0:
-            text = data[start + int(lines.messages[line]): start + cut if cut else int(ends[line])]
-        else:
-            text = data[start + cut: int(ends[line])]
-        if note_step(result, slot, source, number, bytes(text).decode("ascii")):
-            done.add(slot)
+    start = 0
+    for group_end in group_ends:
+        # the slot's candidates, latest first; the first that really is a progress line wins
+        for at in order[start:group_end + 1][::-1].tolist():
+            slot = int(slots[at])
+            line, part = divmod(int(keys[at]), 2)
+            number = first_number + line
+            stats = result.stats.get(slot)
+            if stats is not None and stats.last_step_line is not None and stats.last_step_line >= (source, number):
+                break
+            begin = int(lines.starts[line])
+            cut = int(lines.cuts[line])
+            if part == 0:
+                text = data[begin + int(lines.messages[line]): begin + cut if cut else int(ends[line])]
+            else:
+                text = data[begin + cut: int(ends[line])]
+            if note_step(result, slot, source, number, bytes(text).decode("ascii")):
+                break
+        start = group_end + 1
