@@ -27,12 +27,12 @@ def test_fast_scan_report_equals_exact_on_samples(case):
     assert fast == exact
 
 
-@pytest.mark.parametrize("style, failure", [("plain", "oom"), ("tee", "exception"), ("srun", "sigkill"),
-                                            ("plain", "timeout"), ("tee", "none")])
+@pytest.mark.parametrize("style", ["plain", "tee", "srun"])
+@pytest.mark.parametrize("failure", ["none", "oom", "exception", "sigkill", "timeout"])
 def test_fast_scan_report_equals_exact_on_generated_logs(tmp_path, style, failure):
     log = tmp_path / "gen.log"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generate.py"), "--ranks", "16", "--size", "3M",
-                    "--seed", "7", "--style", style, "--failure", failure, "--out", str(log)],
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generate.py"), "--ranks", "16", "--size", "2M",
+                    "--seed", "11", "--style", style, "--failure", failure, "--out", str(log)],
                    check=True, capture_output=True, timeout=300)
     exact, fast = _both(str(log))
     assert fast == exact

@@ -139,14 +139,18 @@ class ChunkMerger:
             return
         result, source = self.scanner.result, self.scanner.source.index
         chosen = slots[plain]
-        positions = np.flatnonzero(plain)
-        values, first_at, counts = np.unique(chosen, return_index=True, return_counts=True)
-        for slot, at, count in zip(values.tolist(), first_at.tolist(), counts.tolist()):
+        counts = np.bincount(chosen)
+        positions = None
+        for slot in np.flatnonzero(counts).tolist():
             stats = result.stats.get(slot)
             if stats is None:
                 stats = result.stats[slot] = SlotStats()
-            stats.lines += count
-            earliest = (source, first_number + int(positions[at]))
+            stats.lines += int(counts[slot])
+            if stats.first_line is not None and stats.first_line < (source, first_number):
+                continue   # first seen in an earlier chunk
+            if positions is None:
+                positions = np.flatnonzero(plain)
+            earliest = (source, first_number + int(positions[np.argmax(chosen == slot)]))
             if stats.first_line is None or stats.first_line > earliest:
                 stats.first_line = earliest
 
@@ -161,26 +165,31 @@ def _progress_lines(scanner: LineScanner, data, first_number: int, lines: ChunkL
         return
     keys = np.concatenate([one * 2, two * 2 + 1])            # (line, part) in input order
     slots = np.concatenate([slot_of[one], last_of[two]])
-    order = np.lexsort((keys, slots))                          # by slot, then input order
-    sorted_slots = slots[order]
-    group_ends = np.flatnonzero(np.diff(sorted_slots)).tolist() + [len(order) - 1]
+    latest = np.full(int(slots.max()) + 1, -1, dtype=np.int64)
+    np.maximum.at(latest, slots, keys)
     result, source = scanner.result, scanner.source.index
-    start = 0
-    for group_end in group_ends:
-        # the slot's candidates, latest first; the first that really is a progress line wins
-        for at in order[start:group_end + 1][::-1].tolist():
-            slot = int(slots[at])
-            line, part = divmod(int(keys[at]), 2)
-            number = first_number + line
-            stats = result.stats.get(slot)
-            if stats is not None and stats.last_step_line is not None and stats.last_step_line >= (source, number):
+    for slot in np.flatnonzero(latest >= 0).tolist():
+        if _note_progress(scanner, data, first_number, lines, ends, slot, int(latest[slot])):
+            continue
+        # not a progress line after all ("after", "iterate"...): the slot's earlier candidates
+        for key in np.sort(keys[slots == slot])[::-1].tolist():
+            if _note_progress(scanner, data, first_number, lines, ends, slot, key):
                 break
-            begin = int(lines.starts[line])
-            cut = int(lines.cuts[line])
-            if part == 0:
-                text = data[begin + int(lines.messages[line]): begin + cut if cut else int(ends[line])]
-            else:
-                text = data[begin + cut: int(ends[line])]
-            if note_step(result, slot, source, number, bytes(text).decode("ascii")):
-                break
-        start = group_end + 1
+
+
+def _note_progress(scanner: LineScanner, data, first_number: int, lines: ChunkLines, ends: np.ndarray,
+                   slot: int, key: int) -> bool:
+    """True when the candidate is the slot's progress line, or an exact-path line came later."""
+    result, source = scanner.result, scanner.source.index
+    line, part = divmod(key, 2)
+    number = first_number + line
+    stats = result.stats.get(slot)
+    if stats is not None and stats.last_step_line is not None and stats.last_step_line >= (source, number):
+        return True
+    begin = int(lines.starts[line])
+    cut = int(lines.cuts[line])
+    if part == 0:
+        text = data[begin + int(lines.messages[line]): begin + cut if cut else int(ends[line])]
+    else:
+        text = data[begin + cut: int(ends[line])]
+    return note_step(result, slot, source, number, bytes(text).decode("ascii"))
