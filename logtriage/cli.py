@@ -11,11 +11,13 @@ become a one-line message and an exit code here and nowhere else.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import importlib
 import os
 import signal
 import sys
+import threading
 
 from logtriage.errors import TriageError
 
@@ -69,11 +71,38 @@ def _top_help() -> str:
 
 
 
+def _quiet_interrupts() -> None:
+    """Ctrl-C reaches every process of the terminal's group: forked worker processes (the fast
+    scan's) leave it to this one, and a KeyboardInterrupt that lands inside a C callback (numba
+    compiling) is delivered again where it can stop the run, instead of printing "Exception
+    ignored" with a traceback."""
+    main_pid = os.getpid()
+
+    def on_sigint(signum, frame):
+        if os.getpid() != main_pid:
+            return
+        raise KeyboardInterrupt
+
+    default_hook = sys.unraisablehook
+
+    def on_unraisable(unraisable):
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            # not from here: the hook is Python code, the interrupt would land in it again
+            threading.Timer(0.05, _thread.interrupt_main).start()
+            return
+        default_hook(unraisable)
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_sigint)
+    sys.unraisablehook = on_unraisable
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # A closed pipe (`triage big.log | head`) ends quietly.
     if hasattr(signal, "SIGPIPE"):
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    _quiet_interrupts()
     if argv and argv[0] in ("-h", "--help"):
         print(_top_help())
         return 0

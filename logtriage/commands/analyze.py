@@ -4,6 +4,7 @@
     torchrun ... 2>&1 | triage -        from standard input (also when stdin is piped)
     triage logs/ --format json          a torchrun --log-dir tree or a folder of per-rank files
     triage run.log.gz --format md -o incident.md
+    torchrun ... 2>&1 | triage --follow -   findings as they happen, the report when the run ends
 
 Line numbers are 1-based within each input file; for a folder, every cited line names its file.
 """
@@ -30,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-redact", action="store_true", help="do not mask tokens, keys and passwords")
     parser.add_argument("--redact", default="", metavar="hosts,paths,ips",
                         help="also mask host names, user names in home paths, IP addresses")
+    parser.add_argument("--follow", action="store_true",
+                        help="follow one growing file or a pipe (-): print each finding as its line "
+                             "arrives, the report when the input ends or on Ctrl-C")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,13 +47,22 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         raise UsageError(f"--redact takes hosts, paths, ips (got {', '.join(sorted(bad))})")
     options = TriageOptions(tuple(args.patterns), args.strict_catalog, not args.no_redact, extra,
-                            progress=_progress_bar())
-    run = run_triage(inputs, options)
-    if run.scan.unreadable and not run.scan.input_lines:
-        raise InputError("; ".join(run.scan.unreadable))   # nothing was readable: no "OK" report
+                            progress=None if args.follow else _progress_bar())
+    if args.follow:
+        if len(inputs) != 1:
+            raise UsageError("--follow takes one file, or - for standard input")
+        from logtriage.follow import follow
+        report, unreadable = follow(inputs[0], options, sys.stdout, sys.stderr), []
+        if not args.output:
+            sys.stdout.write("\n")
+    else:
+        run = run_triage(inputs, options)
+        if run.scan.unreadable and not run.scan.input_lines:
+            raise InputError("; ".join(run.scan.unreadable))   # nothing was readable: no "OK" report
+        report, unreadable = run.report, run.scan.unreadable
     color = args.color == "always" or (args.color == "auto" and not args.output and sys.stdout.isatty()
                                        and not os.environ.get("NO_COLOR"))
-    text = render(run.report, args.format, color=color)
+    text = render(report, args.format, color=color)
     if args.output:
         try:
             with open(args.output, "w", encoding="utf-8") as out:
@@ -61,9 +74,9 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     # A corrupt or truncated input still gets its report (on the lines before the damage), then
     # the exit code says the input was not wholly readable.
-    for problem in run.scan.unreadable:
+    for problem in unreadable:
         print(f"triage: warning: {problem}; the report covers the lines before it", file=sys.stderr)
-    return InputError.exit_code if run.scan.unreadable else 0
+    return InputError.exit_code if unreadable else 0
 
 
 def _progress_bar():

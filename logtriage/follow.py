@@ -1,0 +1,308 @@
+"""Follow a growing log or a pipe that never closes: `triage --follow FILE`, `triage --follow -`.
+
+Every finding is printed as one line the moment its line is read:
+
+    finding: run.log:812 rank 3 gloo.timeout: RuntimeError: ... Timed out waiting 10000ms ...
+
+and the full report follows when standard input ends or on Ctrl-C (which is how following
+ends: exit code 0, the report is the result; a second Ctrl-C exits at once with 130). A file that
+shrinks or is replaced (truncated, rotated) is announced on stderr and read again from its start.
+
+The lines go through the same per-line machinery as `triage FILE` (scan.LineScanner), so the
+final report is the report of the lines read. The prefix dialect is chosen from the first
+DIALECT_SAMPLE lines, or from what has arrived when the input first goes quiet."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, TextIO
+
+from logtriage.analysis.diagnose import diagnose
+from logtriage.api import TriageOptions, _redactor, get_catalog
+from logtriage.catalog.matcher import Matcher
+from logtriage.demux.clean import clean, decode
+from logtriage.demux.prefixes import Dialect
+from logtriage.demux.streams import SlotKind, StreamKind
+from logtriage.errors import CatalogError, InputError, UsageError
+from logtriage.ingest.reader import MAX_LINE
+from logtriage.ingest.sources import GZIP_MAGIC, Source, display_name
+from logtriage.redact import redact_report
+from logtriage.report.build import build_report
+from logtriage.report.model import Report
+from logtriage.report.safe import terminal_safe
+from logtriage.scan import DIALECT_SAMPLE, LineScanner, ScanResult, SourceIndex, new_result
+
+POLL_S = 0.2          # how often a quiet input is looked at again (and Ctrl-C noticed)
+READ_BYTES = 1 << 16
+FINDING_TEXT = 200    # characters of a finding's text on its line
+
+
+class LineSplitter:
+    """Bytes as they arrive -> (offset, line without its newline), offsets exact. A line longer
+    than MAX_LINE keeps only its first MAX_LINE bytes (the same bound as ingest.reader)."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+        self._kept = bytearray()
+        self._size = 0
+
+    def feed(self, chunk: bytes) -> Iterator[tuple[int, bytes]]:
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            self._add(chunk[start:] if end < 0 else chunk[start:end])
+            if end < 0:
+                return
+            yield self._emit(newline=1)
+            start = end + 1
+
+    def flush(self) -> Iterator[tuple[int, bytes]]:
+        """The last line, when the input ended without a newline."""
+        if self._size:
+            yield self._emit(newline=0)
+
+    def _add(self, piece: bytes) -> None:
+        self._size += len(piece)
+        room = MAX_LINE - len(self._kept)
+        if room > 0:
+            self._kept += piece[:room]
+
+    def _emit(self, newline: int) -> tuple[int, bytes]:
+        line = (self.offset, bytes(self._kept))
+        self.offset += self._size + newline
+        self._kept.clear()
+        self._size = 0
+        return line
+
+
+class Restart(Exception):
+    """The followed file shrank or was replaced: start over."""
+
+
+class FileInput:
+    """A file read to its end, then watched for more; a shrink or a new inode raises Restart."""
+
+    ended = False                          # a file never ends: it is followed until Ctrl-C
+
+    def __init__(self, path: str):
+        self.path = path
+        self._open()
+
+    def _open(self) -> None:
+        try:
+            self.stream = open(self.path, "rb")
+        except OSError as exc:
+            raise InputError(f"{self.path}: cannot open ({exc.strerror or exc})") from None
+        self.inode = os.fstat(self.stream.fileno()).st_ino
+        self.position = 0
+
+    def read(self) -> bytes | None:
+        chunk = self.stream.read(READ_BYTES)
+        if chunk:
+            self.position += len(chunk)
+            return chunk
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            return None                    # moved away for a moment (rotation): wait
+        if now.st_ino != self.inode or now.st_size < self.position:
+            self.stream.close()
+            self._open()
+            raise Restart
+        return None
+
+    def wait(self) -> None:
+        time.sleep(POLL_S)
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+class StdinInput:
+    """Standard input, read as it comes (never waiting past POLL_S, so Ctrl-C is noticed)."""
+
+    def __init__(self, fd: int = 0):
+        self.fd = fd
+        self.ended = False
+
+    def read(self) -> bytes | None:
+        try:
+            ready, _, _ = select.select([self.fd], [], [], POLL_S)
+        except (OSError, ValueError):      # not selectable: read blocking
+            ready = [self.fd]
+        if not ready:
+            return None
+        chunk = os.read(self.fd, READ_BYTES)
+        self.ended = not chunk
+        return chunk or None
+
+    def wait(self) -> None:
+        pass                               # read() already waited
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Session:
+    """One pass over the followed input (a restart begins a new one)."""
+    source: Source
+    matcher: Matcher
+    result: ScanResult = field(init=False)
+    index: SourceIndex = field(default_factory=SourceIndex)
+    splitter: LineSplitter = field(default_factory=LineSplitter)
+    scanner: LineScanner | None = None
+    waiting: list[tuple[int, bytes]] = field(default_factory=list)   # lines before the dialect is known
+    number: int = 0
+    shown: int = 0                          # hits already printed
+
+    def __post_init__(self) -> None:
+        self.result = new_result((self.source,))
+        self.result.indexes.append(self.index)
+        if self.source.is_stdin:
+            self.index.spool = tempfile.TemporaryFile()
+
+    def take(self, chunk: bytes) -> None:
+        if self.index.spool is not None:
+            self.index.spool.write(chunk)
+        for offset, raw in self.splitter.feed(chunk):
+            self._line(offset, raw)
+
+    def quiet(self) -> None:
+        """The input has nothing more for now: decide the dialect from what arrived."""
+        if self.scanner is None and self.waiting:
+            self._start()
+
+    def finish(self) -> ScanResult:
+        for offset, raw in self.splitter.flush():
+            self._line(offset, raw)
+        if self.scanner is None:
+            self._start()
+        self.scanner.close()
+        return self.result
+
+    def _line(self, offset: int, raw: bytes) -> None:
+        if self.scanner is None:
+            self.waiting.append((offset, raw))
+            if len(self.waiting) >= DIALECT_SAMPLE:
+                self._start()
+            return
+        self.number += 1
+        self.scanner.line(self.number, offset, raw)
+
+    def _start(self) -> None:
+        dialect = Dialect.detect(clean(decode(raw)) for _, raw in self.waiting)
+        self.scanner = LineScanner(self.result, self.source, self.index, self.matcher, dialect)
+        waiting, self.waiting = self.waiting, []
+        for offset, raw in waiting:
+            self._line(offset, raw)
+
+
+def follow(target: str, options: TriageOptions, out: TextIO, err: TextIO) -> Report:
+    """Follow `target` (a path or "-"), printing findings to `out`; the report when it ends."""
+    catalog = get_catalog(options.patterns_dirs)
+    if options.strict_catalog and catalog.problems:
+        raise CatalogError(list(catalog.problems))
+    source = _source(target)
+    reader = StdinInput() if source.is_stdin else FileInput(target)
+    redactor, info = _redactor(options)
+    shown_text = redactor.redact if redactor is not None else (lambda s: s)
+    session = Session(source, Matcher(catalog))
+    stop = _StopOnInterrupt()
+    try:
+        while not stop.requested:
+            try:
+                chunk = reader.read()
+            except Restart:
+                err.write(f"triage: {terminal_safe(source.name)} shrank (truncated or replaced); "
+                          "reading it again from the start\n")
+                err.flush()
+                session = Session(source, session.matcher)
+                continue
+            if chunk:
+                session.take(chunk)
+                _print_new_findings(session, out, shown_text)
+                continue
+            if reader.ended:
+                break
+            session.quiet()
+            _print_new_findings(session, out, shown_text)
+            reader.wait()
+    finally:
+        stop.restore()
+        reader.close()
+    result = session.finish()
+    _print_new_findings(session, out, shown_text)
+    result.problems[:0] = [f"rule problem: {p}" for p in catalog.problems]
+    report = build_report(result, diagnose(result, catalog), redaction=info)
+    return redact_report(report, redactor) if redactor is not None else report
+
+
+def _source(target: str) -> Source:
+    if target == "-":
+        return Source(0, "<stdin>", None)
+    from pathlib import Path
+    path = Path(target)
+    if path.is_dir():
+        raise UsageError(f"{target}: --follow takes one file or '-', not a folder")
+    try:
+        with open(path, "rb") as probe:
+            if probe.read(2) == GZIP_MAGIC:
+                raise UsageError(f"{target}: a compressed file cannot be followed")
+    except OSError as exc:
+        raise InputError(f"{target}: cannot read ({exc.strerror or exc})") from None
+    return Source(0, display_name(target), path)
+
+
+def _print_new_findings(session: Session, out: TextIO, shown_text: Callable[[str], str]) -> None:
+    hits = session.result.hits
+    if session.shown == len(hits):
+        return
+    for position in range(session.shown, len(hits)):
+        hit = hits[position]
+        before = hits[position - 1] if position else None
+        if hit.rule.role.value == "context" or (before and (before.line, before.slot) == (hit.line, hit.slot)):
+            continue   # advice lines; a second rule on the same line (the best one came first)
+        text = shown_text(hit.text)
+        if len(text) > FINDING_TEXT:
+            text = text[:FINDING_TEXT - 1] + "…"
+        who = _who(session.result, hit.slot, hit.captures)
+        out.write(terminal_safe(f"finding: {session.source.name}:{hit.line} {who} {hit.rule.id}: {text}") + "\n")
+    session.shown = len(hits)
+    out.flush()
+
+
+def _who(result: ScanResult, slot: int, captures) -> str:
+    """The rank as far as it is known while reading (the report settles late-bound owners)."""
+    if str(captures.get("rank", "")).isdigit() and len(captures["rank"]) <= 12:
+        return f"rank {captures['rank']}"
+    key = result.slots.keys[result.slots.final(slot)]
+    if key[0] in (SlotKind.RANK, SlotKind.RANK_ATTEMPT):
+        return f"rank {key[1]}"
+    if key[0] is SlotKind.PID:
+        rank = result.facts.pid_to_rank().get(key[1])
+        return f"rank {rank}" if rank is not None else f"pid {key[1]}"
+    if key[0] is SlotKind.FIXED and key[1] is not StreamKind.UNATTRIBUTED:
+        return key[1].value
+    return "rank ?"
+
+
+class _StopOnInterrupt:
+    """The first Ctrl-C asks the loop to stop (the report is printed); a second one interrupts."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGINT, self._previous)

@@ -1,0 +1,114 @@
+"""Pipes and signals: `triage big.log | head` ends quietly; Ctrl-C (SIGINT to the whole process
+group, as a terminal sends it) ends with one short line and exit 130, whether triage is waiting
+on a pipe, reading a big log, or running the fast scan's worker processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fuzz.cli import ROOT, environment
+
+
+def big_log(path: Path, megabytes: int) -> Path:
+    line = b"[rank%d]: step %d loss 0.1234 lr 0.001 tokens/s 12345 grad_norm 0.98\n"
+    with path.open("wb") as out:
+        step, size = 0, 0
+        while size < megabytes << 20:
+            chunk = b"".join(line % (r, step) for r in range(8))
+            out.write(chunk)
+            size += len(chunk)
+            step += 1
+        out.write(b"[rank3]: Traceback (most recent call last):\n[rank3]: KeyError: 3\n")
+    return path
+
+
+def start(*args: str, stdin=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "logtriage", *args], stdin=stdin, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=environment(), cwd=ROOT, start_new_session=True)
+
+
+def ctrl_c(proc: subprocess.Popen, after: float) -> tuple[bytes, bytes]:
+    time.sleep(after)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+    return proc.communicate(timeout=60)
+
+
+def test_ctrl_c_while_waiting_on_a_pipe():
+    proc = start("-", stdin=subprocess.PIPE)
+    proc.stdin.write(b"[rank0]: step 1\n" * 1000)
+    proc.stdin.flush()
+    out, err = ctrl_c(proc, 1.5)
+    assert proc.returncode == 130
+    assert err == b"triage: interrupted\n" and out == b""
+
+
+def test_ctrl_c_during_a_long_run(tmp_path):
+    log = big_log(tmp_path / "big.log", 8)
+    proc = start(str(log))
+    out, err = ctrl_c(proc, 0.8)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before the signal (a fast machine): nothing to interrupt")
+    assert proc.returncode == 130, err
+    assert err == b"triage: interrupted\n", err.decode(errors="replace")[-2000:]
+
+
+@pytest.fixture(scope="module")
+def forty_megabytes(tmp_path_factory):
+    return big_log(tmp_path_factory.mktemp("signals") / "big.log", 40)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc to see worker processes")
+@pytest.mark.parametrize("after", [0.0, 0.6], ids=["while-compiling", "while-scanning"])
+def test_ctrl_c_while_fast_scan_workers_run(forty_megabytes, after):
+    """A big log takes the fast scan, whose worker processes get the terminal's SIGINT too: none
+    of them may print a traceback (nor numba's compile callbacks an "Exception ignored")."""
+    proc = start(str(forty_megabytes))
+    deadline = time.monotonic() + 20
+    while not _children(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not _children(proc.pid):
+        proc.communicate(timeout=60)
+        pytest.skip("no worker process was started (fast scan off or single-process here)")
+    out, err = ctrl_c(proc, after)
+    if proc.returncode == 0 and err == b"":
+        pytest.skip("the run finished before the signal: nothing to interrupt")
+    assert proc.returncode == 130, err
+    assert err == b"triage: interrupted\n", err.decode(errors="replace")[-2000:]
+
+
+def _children(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+
+
+def test_big_report_into_head_ends_quietly(tmp_path):
+    log = tmp_path / "ranks.log"
+    with log.open("w") as out:
+        for r in range(3000):
+            out.write(f"[rank{r}]: step 1\n[rank{r}]: RuntimeError: Connection closed by peer [127.0.0.1]:29500\n")
+    proc = subprocess.Popen(f"{sys.executable} -m logtriage --format json {log} | head -1", shell=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment(), cwd=ROOT)
+    out, err = proc.communicate(timeout=60)
+    assert out == b"{\n"
+    assert err == b""                      # no traceback, no "Broken pipe" noise
+
+
+def test_ctrl_c_in_follow_mode_prints_the_report():
+    """Ctrl-C is how following ends: the report, exit 0."""
+    proc = start("--follow", "-", stdin=subprocess.PIPE)
+    proc.stdin.write(b"[rank1]: KeyError: 1\n")
+    proc.stdin.flush()
+    time.sleep(1.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and b"triage: FAILED" in out and b"Traceback" not in err
