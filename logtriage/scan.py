@@ -91,6 +91,7 @@ class ScanResult:
     unreadable: list[str] = field(default_factory=list)   # sources whose reading stopped early
     skipped_hits: int = 0
     world_size: int | None = None
+    cpu_backend: bool = False        # the log names gloo or a CPU build of torch: a CPU job
     seq: int = 0                                           # parts seen so far (global input order)
     per_rule_slot: dict[tuple[str, int], int] = field(default_factory=dict)
 
@@ -163,6 +164,8 @@ class LineScanner:
             result.probes.append((source, number, slot, text))
         elif slot == self.banner_slot and len(result.banner_lines) < 200:
             result.banner_lines.append(text)
+        if not result.cpu_backend and ("gloo" in text or "+cpu" in text):
+            result.cpu_backend = True
         if ("orld" in text or "ORLD" in text) and len(text) < MAX_WORLD_TEXT:
             m = _WORLD.search(text)
             if m:

@@ -3,7 +3,7 @@ ranks given a status. Pure data in, pure data out (no rendering, no I/O)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from logtriage.analysis.childfailed import ChildFailure, parse_child_failures
 from logtriage.analysis.environment import Environment, collect_environment
@@ -11,7 +11,7 @@ from logtriage.analysis.findings import Finding, resolve_findings
 from logtriage.analysis.rootcause import (ChainLink, ChainRole, RankFacts, RootCause, Verdict, build_chain,
                                           choose_root, warning_root)
 from logtriage.catalog.loader import Catalog
-from logtriage.catalog.rule import Category, Role, Rule
+from logtriage.catalog.rule import Category, Role, Rule, Severity
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.scan import ScanResult, SlotStats
 
@@ -47,6 +47,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     stream_stats = _merge_stats(scan, keys)
     facts = _rank_facts(stream_stats, failures, findings, scan.world_size)
     root = choose_root(findings, facts)
+    if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
+        root = _sigkill_on_gpu_job(root, catalog)
     if root is None:
         root = _unrecognised_exception(scan, keys, catalog)
     if root is None and (failures or "traceback" in scan.block_kinds.values()):
@@ -55,7 +57,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = _exit_only_root(failures, catalog)
     verdict = Verdict.FAILED if root is not None else Verdict.OK
     if root is None:
-        root = _hang_from_progress(facts, catalog)
+        root = _waiting(findings, facts) or _hang_from_progress(facts, catalog)
         if root is not None:
             verdict = Verdict.HUNG
     notes: list[str] = []
@@ -99,6 +101,28 @@ def _rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure],
     return RankFacts(frozenset(known), exit_codes, frozenset(completed), last_step)
 
 
+def _waiting(findings: list[Finding], facts: RankFacts) -> RootCause | None:
+    """Nothing failed, but ranks say they are waiting for others (a start-up barrier short of
+    workers): the run hangs, and the ranks that do not say so are the stuck ones."""
+    waiting = [f for f in findings if f.category is Category.HANG and f.rule.severity is Severity.WARNING]
+    if not waiting:
+        return None
+    first = waiting[0]
+    waiters = {f.rank for f in waiting if f.rank is not None}
+    world = max((int(f.captures["world_size"]) for f in waiting if f.captures.get("world_size", "").isdigit()),
+                default=0)
+    arrived = max((int(f.captures["worker_count"]) for f in waiting if f.captures.get("worker_count", "").isdigit()),
+                  default=0)
+    missing = []
+    if world and world <= 65536 and waiters and len(waiters) >= arrived:   # every rank that arrived is in the log
+        missing = sorted(set(range(world)) - waiters)
+    reasons = [f"{arrived or len(waiters)} of {world or '?'} ranks reached the barrier and wait; nothing failed"]
+    if missing and len(missing) <= 8:
+        reasons.append(f"rank(s) {', '.join(map(str, missing))} never arrived: look at what they were doing")
+    rank = missing[0] if len(missing) == 1 else None
+    return RootCause(first.rule, first, rank, tuple(missing), 0.45, tuple(reasons))
+
+
 def _hang_from_progress(facts: RankFacts, catalog: Catalog) -> RootCause | None:
     """No error at all, but the ranks' progress stopped unevenly: some rank is stuck."""
     steps = facts.last_step
@@ -123,6 +147,19 @@ def _exit_only_root(failures: list[ChildFailure], catalog: Catalog) -> RootCause
                                                                "A worker exited with an error code and left no message")
     return RootCause(rule, None, first.rank, (first.rank,) if first.rank is not None else (), 0.3,
                      (f"rank {first.rank} exited with code {first.exitcode}; its output holds no error",))
+
+
+def _sigkill_on_gpu_job(root: RootCause, catalog: Catalog) -> RootCause:
+    """A worker killed by SIGKILL, with no message of its own, in a job that is not a CPU/gloo
+    run: on GPU nodes the sender is, in practice, the kernel's OOM killer (host RAM exhausted by
+    data loading, checkpoint loading to CPU, too many DataLoader workers)."""
+    rule = catalog.get("host.oom_killer")
+    if rule is None:
+        return root
+    reason = ("SIGKILL cannot be caught, so the rank printed nothing; on GPU jobs the sender is nearly "
+              "always the kernel's OOM killer (host memory). `dmesg -T | grep -i oom` on the node confirms "
+              "it; if it shows nothing, look for a scheduler limit or a manual kill")
+    return replace(root, rule=rule, reasons=root.reasons + (reason,), confidence=min(root.confidence, 0.6))
 
 
 def _unrecognised_exception(scan: ScanResult, keys: list[StreamKey], catalog: Catalog) -> RootCause | None:

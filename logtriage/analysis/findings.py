@@ -34,6 +34,8 @@ _SIGNAL_RULES = {"SIGSEGV": "signal.sigsegv", "SIGABRT": "signal.sigabrt", "SIGB
 SELF_RANK_CAPTURES = ("self_rank", "pg_rank")
 _BLOCK_KINDS_WITH_ONE_EVENT = frozenset({"traceback", "native", "cpp", "fault"})
 _EXCEPTION_TYPE = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit))(?::|$)")
+_WORKER_FIELDS = frozenset({"local_rank", "pid", "process", "task"})
+_INFO_LINE = re.compile(r"^\[?I\d{3,4} \d\d:\d\d:\d\d")
 _MASK = re.compile(r"0x[0-9a-fA-F]+|\d+")
 
 
@@ -65,7 +67,10 @@ class Finding:
 
     @property
     def is_error(self) -> bool:
-        return self.rule.severity is Severity.ERROR and self.rule.role is not Role.CONTEXT
+        """An error finding; a line logged at INFO level (`I0228 ...`, `[I1130 ...]`) reports, it
+        does not fail (the NCCL watchdog's INFO notes during a normal shutdown)."""
+        return (self.rule.severity is Severity.ERROR and self.rule.role is not Role.CONTEXT
+                and not _INFO_LINE.match(self.text))
 
     @property
     def is_teardown(self) -> bool:
@@ -109,7 +114,8 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
         stream = keys[scan.slots.final(hit.slot)]
         rank, how = stream.rank_or_none, "stream"
         stamp = hit.stamp
-        if stream.kind is StreamKind.LAUNCHER:
+        if stream.kind is StreamKind.LAUNCHER or (rank is None and _WORKER_FIELDS & hit.captures.keys()):
+            # a launcher's line about one worker, also when glued to other output
             rank, how = _launcher_rank(hit, entry_rank, local_to_rank, pid_rank)
             stamp = entry_time.get((hit.source, hit.line)) or stamp
         if "rank" in hit.captures and hit.captures["rank"].isdigit():

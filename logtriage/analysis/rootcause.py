@@ -149,11 +149,17 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
         if refined is not None:
             rank = refined
     elif rank is None:
-        rank = _rank_from_exit_codes(facts)
+        rank = _rank_reporting_the_same(first, live)
         if rank is not None:
             ranks = (rank,)
-            reasons.append(f"rank {rank} is the only worker that failed with its own exit code")
-            confidence -= 0.15
+            reasons.append(f"the line carries no rank; rank {rank} reports the same kind of error")
+            confidence -= 0.1
+        else:
+            rank = _rank_from_exit_codes(facts)
+            if rank is not None:
+                ranks = (rank,)
+                reasons.append(f"rank {rank} is the only worker that failed with its own exit code")
+                confidence -= 0.15
     odd = _mismatch_odd_one_out(live)
     if odd is not None and first.category is Category.COLLECTIVE_MISMATCH:
         return RootCause(first.rule, first, odd, (odd,), confidence, (
@@ -164,6 +170,14 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
         rank, ranks = culprit, (culprit,)
         reasons.append(f"a debug report names rank {culprit} as the one that lagged or differed")
     return RootCause(first.rule, first, rank, ranks, confidence, tuple(reasons))
+
+
+def _rank_reporting_the_same(first: Finding, live: list[Finding]) -> int | None:
+    """An unattributed error (a CUDA kernel's assert printed without a prefix) belongs to the one
+    rank that reports an error of the same category (its NCCL watchdog: 'CUDA error: device-side
+    assert triggered')."""
+    ranks = {f.rank for f in live if f.rank is not None and f.category is first.category}
+    return next(iter(ranks)) if len(ranks) == 1 else None
 
 
 def _refine_rank(first: Finding, live: list[Finding], ranks: tuple[int, ...]) -> int | None:

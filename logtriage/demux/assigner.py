@@ -145,6 +145,10 @@ class Assigner:
             return self._part(launcher, text)
         if PROBE.match(text):
             return self._part(slots.fixed(StreamKind.PROBE), text)
+        if self.spawn_rank is not None and not B.TRACEBACK_START.match(text):
+            # mp.spawn: what follows `-- Process N terminated with the following error:` is that
+            # child's (a traceback, or just its exception when the paste elides the frames)
+            return self._open_or_plain(self._rank_slot(self.spawn_rank, ""), text, bare=False)
         if B.BANNER_TITLE.match(text):
             return self._open(B.BlockKind.BANNER, slots.fixed(StreamKind.BANNER), text, bare=False)
         if B.BANNER_RULE.match(text):
@@ -242,7 +246,7 @@ class Assigner:
     @property
     def idle(self) -> bool:
         """No open block and no pending decision: the next plain line's slot depends on it alone."""
-        return self.block is None and self.pending_rule is None
+        return self.block is None and self.pending_rule is None and self.spawn_rank is None
 
     def note_line_number(self, number: int) -> None:
         """Tell the open traceback which input line just reached its exception line."""

@@ -21,6 +21,10 @@ _SHELL = re.compile(
 # Older torch logs through Python's default format: "WARNING:torch.distributed.elastic....:msg"
 _PY_LOGGING_LAUNCHER = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL):(?:torch\.distributed\.(?:elastic|launcher|run|launch)"
                                   r"|__main__|torch\.multiprocessing\.spawn)[\w.]*:")
+# torch 2.x's elastic logger with a date: "[2025-04-02 20:03:17,825] torch.distributed.elastic.multiprocessing.api:
+# [ERROR] failed ..." (the date is missing in some pastes)
+_ELASTIC_LOGGER = re.compile(r"^(?:\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\] )?torch\.distributed\.(?:elastic|launcher|run)[\w.]*: "
+                             r"\[(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\]")
 _DEEPSPEED_LAUNCHER = re.compile(r"^(?:\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\] )?\[\w+\] \[(?:launch|runner|launcher_helper|multinode_runner)\.py:")
 _LAUNCH_FUTURE_WARNING = re.compile(r"distributed/launch\.py:\d+: FutureWarning:")
 
@@ -99,7 +103,8 @@ def is_launcher_path(path: str) -> bool:
 
 
 def is_shell_or_scheduler(text: str) -> bool:
-    return bool(_SHELL.match(text) or _DEEPSPEED_LAUNCHER.match(text) or _PY_LOGGING_LAUNCHER.match(text))
+    return bool(_SHELL.match(text) or _DEEPSPEED_LAUNCHER.match(text) or _PY_LOGGING_LAUNCHER.match(text)
+                or _ELASTIC_LOGGER.match(text))
 
 
 def is_launch_future_warning(text: str) -> bool:

@@ -32,7 +32,7 @@ STRUCTURAL = (
     "Per user-direction", "The following values were not passed", "Setting OMP_NUM_THREADS",
     "[launch.py:", "[runner.py:", "[launcher_helper.py:", "[multinode_runner.py:",
     ":torch.distributed.", ":__main__:", ":torch.multiprocessing", "_JSON=", "-- Process",
-    "ERROR", "CRITICAL", "FATAL", "Exception", "exception", "orld", "ORLD",
+    "ERROR", "CRITICAL", "FATAL", "Exception", "exception", "orld", "ORLD", "gloo", "+cpu",
 )
 
 

@@ -213,7 +213,7 @@ class ViewActions:
         store = self.store.snapshot()
         self.searching = 0
         gids = matching_gids(store, view, query, lambda done, total: setattr(self, "searching", 100 * done // total),
-                             lambda: worker.is_cancelled)
+                             lambda: worker.is_cancelled, self.search_cache)
         if gids is not None and not worker.is_cancelled:
             self.call_from_thread(self._install_matches, view, query, gids, jump)
 
@@ -233,13 +233,13 @@ class ViewActions:
         rows = self.match_rows
         total = len(rows)
         at = int(np.searchsorted(rows, self.log_view.cursor))
-        here = f"{at + 1}/" if at < total and int(rows[at]) == self.log_view.cursor else ""
+        here = f"{at + 1:,}/" if at < total and int(rows[at]) == self.log_view.cursor else ""
         return f"search /{self.search_query.text}/: {here}{total:,} match{'es' if total != 1 else ''}"
 
     @work(thread=True, exclusive=True, group="filter", exit_on_error=False)
     def _filter_worker(self, view: View, query: Query, keep_gid: int | None) -> None:
         worker = get_current_worker()
-        gids = matching_gids(self.store.snapshot(), view, query, None, lambda: worker.is_cancelled)
+        gids = matching_gids(self.store.snapshot(), view, query, None, lambda: worker.is_cancelled, self.search_cache)
         if gids is not None and not worker.is_cancelled:
             filtered = view.subset(f"{view.title} · filter /{query.text}/", gids)
             self.call_from_thread(self._install_filter, filtered, query, keep_gid)

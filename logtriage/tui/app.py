@@ -63,6 +63,7 @@ class TriageApp(ViewActions, App[None]):
         self.filter: Query | None = None
         self.search_query: Query | None = None
         self.match_rows = np.empty(0, np.int64)
+        self.search_cache: dict = {}               # query -> raw candidate lines of the whole input
         self.searching: int | None = None          # percent while a search runs
         self.following = follow
         self.steered = False                       # the user moved before the triage was ready

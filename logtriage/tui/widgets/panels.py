@@ -93,7 +93,7 @@ class PromptBar(Horizontal):
         field = self.query_one(Input)
         field.value = value
         self.add_class("-open")
-        field.focus()
+        self.screen.set_focus(field)        # now, not after the keys already typed are handled
 
     @property
     def is_open(self) -> bool:

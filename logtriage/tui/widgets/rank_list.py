@@ -16,7 +16,7 @@ from textual.widgets import DataTable
 from logtriage.tui.model.streams import Status, StreamRow
 
 ROOT_MARK = "◆"
-COLUMNS = ((" ", 1), ("stream", 12), ("status", 10), ("lines", 8), ("step", 6))
+COLUMNS = ((" ", 1), ("stream", 12), ("status", 10), ("lines", 8), ("step", 7))
 STATUS_STYLE = {
     Status.ROOT_CAUSE: "bold white on red",
     Status.FAILED: "red",
@@ -31,7 +31,7 @@ STATUS_STYLE = {
 class RankList(DataTable):
     DEFAULT_CSS = """
     RankList {
-        width: 49;
+        width: 52;
         height: 1fr;
         border: round $panel-lighten-2;
         border-title-color: $text;
