@@ -52,6 +52,7 @@ _NOT_SECRET_NAMES = re.compile(r"(?i)^(?:pad|eos|bos|unk|sep|cls|mask|additional
 _PLACEHOLDER = re.compile(r"(?i)^(?:|none|null|nil|true|false|yes|no|\*+|x{3,}|\.{3}|<[^<>]*>|\$\{?\w+\}?|"
                           r"%\w+%|\[REDACTED:\w+\]|redacted|not set|unset|changeme)$")
 
+_SHORT_NUMBER = re.compile(r"^\d{1,8}$")
 _HOST_NAME = r"[A-Za-z0-9][A-Za-z0-9_.\[\]-]*"
 _FQDN_TLDS = ("com|net|org|edu|gov|io|ai|cloud|internal|local|lan|corp|intra|cluster|svc|localdomain|"
               "us|uk|de|fr|jp|cn|kr|ru|eu|ca|au|nl|ch|se|in|sg|tw|hk")
@@ -209,8 +210,8 @@ class Redactor:
         quote = m.group("as_q") or ""
         value = m.group("as_qval") if quote else m.group("as_val")
         bare = name.strip("\"'-")
-        if _NOT_SECRET_NAMES.match(bare) or _PLACEHOLDER.match(value.strip()):
-            return m.group(0)
+        if _NOT_SECRET_NAMES.match(bare) or _PLACEHOLDER.match(value.strip()) or _SHORT_NUMBER.match(value.strip()):
+            return m.group(0)   # a short number is a counter or an index, not a secret (store_based_barrier_key:2)
         kind = token_kind(value) or _kind_by_name(bare)
         return f"{name}{m.group('as_sep')}{quote}{_mark(kind)}{quote}"
 
