@@ -20,7 +20,10 @@ def test_there_are_samples_of_every_kind():
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_sample_diagnosis(case):
     report = triage([str(case.log)], TriageOptions()).to_dict()
-    assert compare(case.expectation, report) == []
+    problems = compare(case.expectation, report)
+    if problems and case.expectation.known_miss:
+        pytest.xfail(case.expectation.known_miss)
+    assert problems == []
     rc = report["root_cause"]
     if case.expectation.verdict != "ok":
         assert rc is not None and rc["line"] is None or rc["source"] is not None

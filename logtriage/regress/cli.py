@@ -42,8 +42,11 @@ def format_summary(summary: Summary, quiet: bool = False) -> str:
         what = f"{got.get('verdict')} {got.get('category')} {got.get('rule')} rank={got.get('rank')}" if got else ""
         lines.append(f"{r.case.name[:58]:<58} {r.outcome.value:<6} {what}")
         lines += [f"    - {p}" for p in r.problems]
+        if r.outcome is Outcome.KNOWN_MISS:
+            lines.append(f"    (known miss: {r.case.expectation.known_miss})")
     total = len(summary.results)
-    lines.append(f"\n{total - summary.failed}/{total} passed")
+    known = f", {summary.known_misses} known miss(es)" if summary.known_misses else ""
+    lines.append(f"\n{total - summary.failed - summary.known_misses}/{total} passed{known}")
     if not quiet:
         lines.append("\nrule hits (logs in which each rule fired):")
         lines += [f"  {rule:<36} {n}" for rule, n in sorted(summary.rule_hits.items(), key=lambda kv: (-kv[1], kv[0]))]
@@ -59,7 +62,9 @@ def write_junit(summary: Summary, path: Path) -> None:
                        errors=str(sum(r.outcome is Outcome.ERROR for r in summary.results)))
     for r in summary.results:
         case = ET.SubElement(suite, "testcase", classname="triage.samples", name=r.case.name)
-        if r.outcome is not Outcome.PASS:
+        if r.outcome is Outcome.KNOWN_MISS:
+            ET.SubElement(case, "skipped", message=r.case.expectation.known_miss)
+        elif r.outcome is not Outcome.PASS:
             tag = "failure" if r.outcome is Outcome.FAIL else "error"
             ET.SubElement(case, tag, message="; ".join(r.problems)).text = "\n".join(r.problems)
     ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)

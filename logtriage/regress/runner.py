@@ -20,7 +20,11 @@ class Summary:
 
     @property
     def failed(self) -> int:
-        return sum(1 for r in self.results if r.outcome is not Outcome.PASS)
+        return sum(1 for r in self.results if r.outcome in (Outcome.FAIL, Outcome.ERROR))
+
+    @property
+    def known_misses(self) -> int:
+        return sum(1 for r in self.results if r.outcome is Outcome.KNOWN_MISS)
 
 
 def run_case(case: Case, options: TriageOptions) -> CaseResult:
@@ -33,7 +37,8 @@ def run_case(case: Case, options: TriageOptions) -> CaseResult:
     rc = report.get("root_cause") or {}
     got = {"verdict": report["verdict"], "category": rc.get("category"), "rule": rc.get("rule_id"),
            "rank": rc.get("rank"), "ranks": rc.get("ranks")}
-    return CaseResult(case, Outcome.FAIL if problems else Outcome.PASS, tuple(problems), got, dict(hits))
+    outcome = Outcome.PASS if not problems else (Outcome.KNOWN_MISS if case.expectation.known_miss else Outcome.FAIL)
+    return CaseResult(case, outcome, tuple(problems), got, dict(hits))
 
 
 def run_all(root: Path, options: TriageOptions = TriageOptions()) -> Summary:
