@@ -19,6 +19,17 @@ from tests.fuzz.invariants import check_conservation, check_outputs, triage_byte
 from tests.fuzz.strategies import log_bytes
 
 _COUNTER = itertools.count()
+FIXTURES = Path(__file__).resolve().parent / "data" / "hostile"
+# file -> (verdict, root rule category, rank, line, exception type); see data/hostile/README.md
+EXPECTED = {
+    "escapes.log": ("failed", "python_exception", 1, 5, "KeyError"),
+    "mixed_encoding.log": ("failed", "checkpoint", 1, 4, "FileNotFoundError"),
+    "tqdm_glued.log": ("failed", "python_exception", 2, 3, "ValueError"),
+    "garbled_prefixes.log": ("failed", "python_exception", 3, 10, "IndexError"),
+    "only_prefixes.log": ("ok", None, None, None, None),
+    "nul_binary.log": ("failed", "python_exception", 0, 3, "RuntimeError"),
+    "crlf_no_final_newline.log": ("failed", "python_exception", 1, 4, "KeyError"),
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,3 +78,15 @@ def test_any_folder_of_per_rank_files(workdir, files, layout):
     by_name = {str(p): p for p in paths}
     check_conservation(run, [by_name[str(s.path)] for s in run.scan.sources])
     check_outputs(run)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.glob("*.log")))
+def test_hostile_fixture(name):
+    """Every fixture (and every reduced fuzzer find added there) keeps the invariants and its diagnosis."""
+    path = FIXTURES / name
+    run = run_triage([str(path)])
+    check_conservation(run, [path])
+    check_outputs(run)
+    rc = run.report.root_cause
+    got = (run.report.verdict, rc.category, rc.rank, rc.line, rc.exception_type) if rc else (run.report.verdict,) + (None,) * 4
+    assert got == EXPECTED[name]
