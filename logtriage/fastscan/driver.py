@@ -23,7 +23,7 @@ from logtriage.ingest.reader import open_source
 from logtriage.ingest.sources import GZIP_MAGIC, Source
 from logtriage.scan import DIALECT_SAMPLE, LineScanner, ScanResult, SourceIndex, new_result
 
-CHUNK_BYTES = 32 << 20
+CHUNK_BYTES = 16 << 20
 IN_FLIGHT = 3            # chunks analysed ahead of the merge (file buffers in the ring: IN_FLIGHT + 1)
 _PREFILTER = None
 

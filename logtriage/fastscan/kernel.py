@@ -309,7 +309,7 @@ def _has_step(buf, a, b):
 
 
 # Byte classes for the one pass over a chunk (_scan_bytes).
-_NEWLINE, _BAD, _BRACKET_CLOSE, _T, _BRACKET_OPEN = 1, 2, 3, 4, 5
+_NEWLINE, _BAD, _BRACKET_CLOSE, _T, _BRACKET_OPEN, _CR = 1, 2, 3, 4, 5, 6
 BYTE_CLASS = np.zeros(256, dtype=np.uint8)
 BYTE_CLASS[:32] = _BAD          # controls: ESC, CR, TAB, NUL... (cleaning would change the line)
 BYTE_CLASS[127:] = _BAD         # DEL and non-ASCII (decoding could)
@@ -317,10 +317,11 @@ BYTE_CLASS[10] = _NEWLINE
 BYTE_CLASS[93] = _BRACKET_CLOSE
 BYTE_CLASS[116] = _T
 BYTE_CLASS[91] = _BRACKET_OPEN
+BYTE_CLASS[13] = _CR            # tqdm redraws: the line shows what follows the last CR
 
 
 @njit(cache=True, nogil=True)
-def _scan_bytes(buf, classes, ends, bad, last_colon, first_step, last_step, brackets):
+def _scan_bytes(buf, classes, ends, bad, last_colon, first_step, last_step, brackets, last_cr):
     """One pass over the chunk: line ends, and per line whether it holds a byte a plain line may
     not, where its last `]:` is, where "tep"/"ter" first and last occur, how many `[` it has."""
     n = 0
@@ -330,6 +331,7 @@ def _scan_bytes(buf, classes, ends, bad, last_colon, first_step, last_step, brac
     step_a = -1
     step_b = -1
     opens = 0
+    cr = -1
     for k in range(size):
         c = classes[buf[k]]
         if c == 0:
@@ -341,14 +343,18 @@ def _scan_bytes(buf, classes, ends, bad, last_colon, first_step, last_step, brac
             first_step[n] = step_a
             last_step[n] = step_b
             brackets[n] = opens
+            last_cr[n] = cr
             n += 1
             is_bad = False
             colon = -1
             step_a = -1
             step_b = -1
             opens = 0
+            cr = -1
         elif c == _BAD:
             is_bad = True
+        elif c == _CR:
+            cr = k
         elif c == _BRACKET_CLOSE:
             if k + 1 < size and buf[k + 1] == 58:
                 colon = k
@@ -366,8 +372,58 @@ def _scan_bytes(buf, classes, ends, bad, last_colon, first_step, last_step, brac
         first_step[n] = step_a
         last_step[n] = step_b
         brackets[n] = opens
+        last_cr[n] = cr
         n += 1
     return n
+
+
+@njit(cache=True, nogil=True)
+def _is_bar(buf, a, b):
+    """clean._PROGRESS_BAR on buf[a:b]: `\\d%\\|`, `\\d(it/s|s/it)\\]` or `\\[\\d\\d:\\d\\d<`."""
+    for k in range(a, b):
+        ch = buf[k]
+        if _is_digit(ch):
+            if k + 2 < b and buf[k + 1] == 37 and buf[k + 2] == 124:
+                return True
+            if k + 5 < b and buf[k + 5] == 93 and ((buf[k + 1] == 105 and buf[k + 2] == 116 and buf[k + 3] == 47
+                                                    and buf[k + 4] == 115)
+                                                   or (buf[k + 1] == 115 and buf[k + 2] == 47 and buf[k + 3] == 105
+                                                       and buf[k + 4] == 116)):
+                return True
+        elif ch == 91 and k + 6 < b and _is_digit(buf[k + 1]) and _is_digit(buf[k + 2]) and buf[k + 3] == 58 \
+                and _is_digit(buf[k + 4]) and _is_digit(buf[k + 5]) and buf[k + 6] == 60:
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True)
+def _redraw(buf, start, end):
+    """clean._last_redraw for a line with CRs: (a, b) of the part the terminal finally shows
+    (the last non-blank part; if that is a progress bar, the last part that is not), or (-1, -1)
+    when no part is left."""
+    last_a = -1
+    last_b = -1
+    b = end
+    k = end - 1
+    while k >= start - 1:
+        if k < start or buf[k] == 13:
+            a = k + 1
+            blank = True
+            for q in range(a, b):
+                if buf[q] != 32:
+                    blank = False
+                    break
+            if not blank:
+                if last_a < 0:
+                    last_a = a
+                    last_b = b
+                    if not _is_bar(buf, a, b):
+                        return a, b
+                elif not _is_bar(buf, a, b):
+                    return a, b
+            b = k
+        k -= 1
+    return last_a, last_b
 
 
 @njit(cache=True, nogil=True)
@@ -380,10 +436,20 @@ def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
     first_step = np.empty(cap, dtype=np.int64)
     last_step = np.empty(cap, dtype=np.int64)
     brackets = np.empty(cap, dtype=np.int64)
-    count = _scan_bytes(buf, BYTE_CLASS, ends, bad, last_colon, first_step, last_step, brackets)
-    i = 0
+    last_cr = np.empty(cap, dtype=np.int64)
+    count = _scan_bytes(buf, BYTE_CLASS, ends, bad, last_colon, first_step, last_step, brackets, last_cr)
+    line_start = 0
     for n in range(count):
         end = ends[n]
+        i = line_start
+        redrawn = False
+        if last_cr[n] >= 0 and not bad[n]:
+            # a tqdm line: cleaning keeps the part the terminal finally shows
+            a, b = _redraw(buf, line_start, end)
+            if a >= 0:
+                i = a
+                end = b
+                redrawn = True
         flag = 0
         rank = NO_RANK
         cut = 0
@@ -392,7 +458,7 @@ def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
         if end == i:
             flag = EMPTY
             rank = rank_hint if rank_hint >= 0 else INHERIT
-        elif bad[n] or end - i > MAX_PLAIN_LINE:
+        elif bad[n] or ends[n] - line_start > MAX_PLAIN_LINE or (last_cr[n] >= 0 and not redrawn):
             flag = NOT_PLAIN
         explicit = False
         if flag == 0:
@@ -450,11 +516,11 @@ def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
                 flag |= STEP
             if cut > 0 and last_step[n] >= i + cut:
                 flag |= STEP2
-        starts[n] = i
-        messages[n] = c - i
+        starts[n] = line_start
+        messages[n] = c - line_start
         ranks[n] = rank
         flags[n] = flag
-        cuts[n] = cut
+        cuts[n] = cut + (i - line_start if cut > 0 else 0)
         ranks2[n] = rank2
-        i = end + 1
+        line_start = ends[n] + 1
     return count
