@@ -309,10 +309,11 @@ def _has_step(buf, a, b):
 
 
 # Byte classes for the one pass over a chunk (_scan_bytes).
-_NEWLINE, _BAD, _BRACKET_CLOSE, _T, _BRACKET_OPEN, _CR = 1, 2, 3, 4, 5, 6
+_NEWLINE, _BAD, _BRACKET_CLOSE, _T, _BRACKET_OPEN, _CR, _HIGH = 1, 2, 3, 4, 5, 6, 7
 BYTE_CLASS = np.zeros(256, dtype=np.uint8)
 BYTE_CLASS[:32] = _BAD          # controls: ESC, CR, TAB, NUL... (cleaning would change the line)
-BYTE_CLASS[127:] = _BAD         # DEL and non-ASCII (decoding could)
+BYTE_CLASS[127] = _BAD          # DEL
+BYTE_CLASS[128:] = _HIGH        # non-ASCII: decoding could change it (fine in the part a redraw hides)
 BYTE_CLASS[10] = _NEWLINE
 BYTE_CLASS[93] = _BRACKET_CLOSE
 BYTE_CLASS[116] = _T
@@ -321,7 +322,7 @@ BYTE_CLASS[13] = _CR            # tqdm redraws: the line shows what follows the 
 
 
 @njit(cache=True, nogil=True)
-def _scan_bytes(buf, classes, ends, bad, last_colon, first_step, last_step, brackets, last_cr):
+def _scan_bytes(buf, classes, ends, bad, last_colon, first_step, last_step, brackets, last_cr, high):
     """One pass over the chunk: line ends, and per line whether it holds a byte a plain line may
     not, where its last `]:` is, where "tep"/"ter" first and last occur, how many `[` it has."""
     n = 0
@@ -332,6 +333,7 @@ def _scan_bytes(buf, classes, ends, bad, last_colon, first_step, last_step, brac
     step_b = -1
     opens = 0
     cr = -1
+    is_high = False
     for k in range(size):
         c = classes[buf[k]]
         if c == 0:
@@ -344,7 +346,9 @@ def _scan_bytes(buf, classes, ends, bad, last_colon, first_step, last_step, brac
             last_step[n] = step_b
             brackets[n] = opens
             last_cr[n] = cr
+            high[n] = is_high
             n += 1
+            is_high = False
             is_bad = False
             colon = -1
             step_a = -1
@@ -355,6 +359,8 @@ def _scan_bytes(buf, classes, ends, bad, last_colon, first_step, last_step, brac
             is_bad = True
         elif c == _CR:
             cr = k
+        elif c == _HIGH:
+            is_high = True
         elif c == _BRACKET_CLOSE:
             if k + 1 < size and buf[k + 1] == 58:
                 colon = k
@@ -373,6 +379,7 @@ def _scan_bytes(buf, classes, ends, bad, last_colon, first_step, last_step, brac
         last_step[n] = step_b
         brackets[n] = opens
         last_cr[n] = cr
+        high[n] = is_high
         n += 1
     return n
 
@@ -392,6 +399,14 @@ def _is_bar(buf, a, b):
                 return True
         elif ch == 91 and k + 6 < b and _is_digit(buf[k + 1]) and _is_digit(buf[k + 2]) and buf[k + 3] == 58 \
                 and _is_digit(buf[k + 4]) and _is_digit(buf[k + 5]) and buf[k + 6] == 60:
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True)
+def _has_high(buf, a, b):
+    for k in range(a, b):
+        if buf[k] > 127:
             return True
     return False
 
@@ -437,7 +452,8 @@ def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
     last_step = np.empty(cap, dtype=np.int64)
     brackets = np.empty(cap, dtype=np.int64)
     last_cr = np.empty(cap, dtype=np.int64)
-    count = _scan_bytes(buf, BYTE_CLASS, ends, bad, last_colon, first_step, last_step, brackets, last_cr)
+    high = np.empty(cap, dtype=np.bool_)
+    count = _scan_bytes(buf, BYTE_CLASS, ends, bad, last_colon, first_step, last_step, brackets, last_cr, high)
     line_start = 0
     for n in range(count):
         end = ends[n]
@@ -446,7 +462,7 @@ def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
         if last_cr[n] >= 0 and not bad[n]:
             # a tqdm line: cleaning keeps the part the terminal finally shows
             a, b = _redraw(buf, line_start, end)
-            if a >= 0:
+            if a >= 0 and not (high[n] and _has_high(buf, a, b)):
                 i = a
                 end = b
                 redrawn = True
@@ -458,7 +474,8 @@ def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
         if end == i:
             flag = EMPTY
             rank = rank_hint if rank_hint >= 0 else INHERIT
-        elif bad[n] or ends[n] - line_start > MAX_PLAIN_LINE or (last_cr[n] >= 0 and not redrawn):
+        elif bad[n] or ends[n] - line_start > MAX_PLAIN_LINE or (last_cr[n] >= 0 and not redrawn) \
+                or (high[n] and not redrawn):
             flag = NOT_PLAIN
         explicit = False
         if flag == 0:
