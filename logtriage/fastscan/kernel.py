@@ -412,6 +412,14 @@ def _has_high(buf, a, b):
 
 
 @njit(cache=True, nogil=True)
+def _has_rank(buf, a, b):
+    for k in range(a, b - 3):
+        if _is_rank_at(buf, k):
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True)
 def _redraw(buf, start, end):
     """clean._last_redraw for a line with CRs: (a, b) of the part the terminal finally shows
     (the last non-blank part; if that is a progress bar, the last part that is not), or (-1, -1)
@@ -462,7 +470,9 @@ def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
         if last_cr[n] >= 0 and not bad[n]:
             # a tqdm line: cleaning keeps the part the terminal finally shows
             a, b = _redraw(buf, line_start, end)
-            if a >= 0 and not (high[n] and _has_high(buf, a, b)):
+            # non-ASCII in the part shown is harmless where no character-counting rule looks:
+            # no rank marker (a 120-character window) and no bracket prefix (120 characters)
+            if a >= 0 and not (high[n] and _has_high(buf, a, b) and (buf[a] == 91 or _has_rank(buf, a, b))):
                 i = a
                 end = b
                 redrawn = True
