@@ -62,3 +62,36 @@ def test_fast_scan_stdin_and_gzip(tmp_path):
                             "print(orjson.dumps(triage(['-'], TriageOptions(engine=sys.argv[1])).to_dict()).decode())",
                             "exact"], input=data, capture_output=True, check=True)
     assert piped.stdout == exact.stdout
+
+
+def test_prefilter_finds_every_line_a_rule_matches_with_either_engine(monkeypatch):
+    """The prefilter's candidates hold every line the exact matcher finds a rule on (the fast
+    path relies on it), with Hyperscan and with the RE2 fallback."""
+    import numpy as np
+
+    from logtriage.api import get_catalog
+    from logtriage.catalog.matcher import Matcher
+    from logtriage.demux.clean import clean, decode
+    from logtriage.demux.prefixes import Dialect, strip_prefixes
+    from logtriage.fastscan import prefilter as P
+
+    matcher = Matcher(get_catalog())
+    engines = [P.Prefilter(matcher.rules)]
+    monkeypatch.setattr(P, "_hyperscan_database", lambda *a: None)
+    engines.append(P.Prefilter(matcher.rules))
+    assert engines[1].hyperscan is None
+    checked = 0
+    for case in CASES[::3]:
+        if not case.log.is_file():
+            continue
+        data = case.log.read_bytes()
+        raw_lines = data.split(b"\n")
+        starts = np.cumsum([0] + [len(r) + 1 for r in raw_lines[:-1]]).astype(np.int64)
+        for engine in engines:
+            found = set(engine.candidate_lines(data, starts).tolist())
+            for number, raw in enumerate(raw_lines):
+                text = clean(decode(raw))
+                if matcher.match(text) or matcher.match(strip_prefixes(text, Dialect()).text):
+                    assert number in found, (case.name, number + 1, engine.hyperscan is not None)
+                    checked += 1
+    assert checked > 100

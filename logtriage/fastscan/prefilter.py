@@ -91,6 +91,9 @@ _GROUP = re.compile(r"\(\?P<\w+>")
 
 
 class Prefilter:
+    """The scan over a chunk: Hyperscan where it is installed (x86-64 Linux; several times faster
+    on many literals), else one RE2 alternation. Both report every line a rule could match."""
+
     def __init__(self, rules: list[CompiledRule]):
         literals: set[str] = set(STRUCTURAL)
         folded: set[str] = set()
@@ -113,9 +116,12 @@ class Prefilter:
         self.regex = re2.compile("(?m)" + "|".join(parts), options)
         self.literal_count = len(literals) + len(folded)
         self.whole_count = len(whole)
+        self.hyperscan = _hyperscan_database(sorted(literals), sorted(folded), whole)
 
     def candidate_lines(self, buf: bytes, starts: np.ndarray) -> np.ndarray:
         """Indices (into `starts`) of the lines holding a match."""
+        if self.hyperscan is not None:
+            return self._hyperscan_lines(buf, starts)
         found = []
         search = self.regex.search
         size = len(buf)
@@ -131,3 +137,40 @@ class Prefilter:
         if not found:
             return np.empty(0, dtype=np.int64)
         return np.searchsorted(starts, np.asarray(found, dtype=np.int64), side="right") - 1
+
+    def _hyperscan_lines(self, buf: bytes, starts: np.ndarray) -> np.ndarray:
+        """Hyperscan reports the end of every match, overlapping ones included, so every match a
+        rule could make inside one line ends inside that line and marks it."""
+        ends: list[int] = []
+        self.hyperscan.scan(buf, match_event_handler=lambda _id, _start, end, _flags, _ctx: ends.append(end - 1))
+        if not ends:
+            return np.empty(0, dtype=np.int64)
+        return np.unique(np.searchsorted(starts, np.asarray(ends, dtype=np.int64), side="right") - 1)
+
+
+def _hyperscan_database(literals: list[str], folded: list[str], whole: list[str]):
+    """A Hyperscan database of the same prefilter, or None (not installed, or a pattern it
+    cannot take: the RE2 scan is used then)."""
+    try:
+        import hyperscan
+    except ImportError:
+        return None
+    expressions, flags = [], []
+    multiline = hyperscan.HS_FLAG_MULTILINE
+    for literal in literals:
+        expressions.append(re.escape(literal).encode())
+        flags.append(multiline)
+    for literal in folded:
+        expressions.append(re.escape(literal).encode())
+        flags.append(multiline | hyperscan.HS_FLAG_CASELESS)
+    for pattern in whole:
+        caseless = pattern.startswith("(?i)")
+        expressions.append((pattern[4:] if caseless else pattern).encode())
+        flags.append(multiline | (hyperscan.HS_FLAG_CASELESS if caseless else 0))
+    try:
+        database = hyperscan.Database()
+        database.compile(expressions=expressions, ids=list(range(len(expressions))), elements=len(expressions),
+                         flags=flags)
+    except Exception:  # noqa: BLE001 - any pattern Hyperscan rejects: fall back to RE2
+        return None
+    return database
