@@ -95,3 +95,20 @@ def test_prefilter_finds_every_line_a_rule_matches_with_either_engine(monkeypatc
                     assert number in found, (case.name, number + 1, engine.hyperscan is not None)
                     checked += 1
     assert checked > 100
+
+
+@pytest.mark.parametrize("chunk, tail", [(4096, 64), (1000, 7), (65536, 4096)])
+def test_fast_scan_chunk_boundaries(tmp_path, monkeypatch, chunk, tail):
+    """Lines cut by range boundaries, and lines longer than a whole range, land exactly where
+    the exact path puts them."""
+    from logtriage.fastscan import driver
+    monkeypatch.setattr(driver, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(driver, "RANGE_TAIL", tail)
+    data = (SAMPLES / "cpu" / "rank_exception__np4.log").read_bytes()
+    data += b"[rank 3] step 9 " + b"x" * 9000 + b"\n" + (SAMPLES / "cpu" / "healthy__np4.log").read_bytes()
+    data += b"[rank 1] step 11 no newline at the end"
+    log = tmp_path / "cut.log"
+    log.write_bytes(data)
+    exact = triage([str(log)], TriageOptions(engine="exact")).to_dict()
+    for workers in (0, 2):
+        assert triage([str(log)], TriageOptions(engine="fast", workers=workers)).to_dict() == exact

@@ -24,6 +24,7 @@ from logtriage.ingest.sources import GZIP_MAGIC, Source
 from logtriage.scan import DIALECT_SAMPLE, LineScanner, ScanResult, SourceIndex, new_result
 
 CHUNK_BYTES = 16 << 20
+RANGE_TAIL = 64 << 10    # read past a range's end to finish its last line
 IN_FLIGHT = 3            # chunks analysed ahead of the merge (file buffers in the ring: IN_FLIGHT + 1)
 _PREFILTER = None
 
@@ -51,36 +52,84 @@ def fast_scan(sources: tuple[Source, ...], matcher: Matcher, progress: Callable[
 
 def _scan_source(result, source, index, matcher, prefilter, pool, progress) -> None:
     path = None if source.is_stdin or _is_gzip(source) else str(source.path)
-    chunks = _file_chunks(source) if path is not None else _stream_chunks(source, index)
-    first = next(chunks, None)
-    if first is None:
-        LineScanner(result, source, index, matcher, Dialect()).close()
-        return
-    base, data = first
-    head = bytes(data[: 1 << 20]).split(b"\n", DIALECT_SAMPLE)[:DIALECT_SAMPLE]
-    dialect = Dialect.detect(clean(decode(raw)) for raw in head)
-    scanner = LineScanner(result, source, index, matcher, dialect)
-    if dialect.srun or dialect.hosts:
-        _exact(scanner, _chain([first], chunks))   # launcher prefixes the kernel does not parse
-        scanner.close()
-        return
-    rank_hint = -1 if source.rank_hint is None else source.rank_hint
+    if path is not None:
+        with open(path, "rb") as f:
+            head_bytes = f.read(1 << 20)
+    else:
+        chunks = _stream_chunks(source, index)
+        first = next(chunks, None)
+        head_bytes = b"" if first is None else bytes(first[1][: 1 << 20])
+    head = head_bytes.split(b"\n", DIALECT_SAMPLE)[:DIALECT_SAMPLE] if head_bytes else []
+    scanner = LineScanner(result, source, index, matcher, Dialect.detect(clean(decode(raw)) for raw in head))
+    dialect = scanner.assigner.dialect
+    if dialect.srun or dialect.hosts:                   # launcher prefixes the kernel does not parse
+        _exact(scanner, _file_chunks(source) if path is not None else _chain([first] if first else [], chunks))
+    elif path is not None:
+        _file_ranges(scanner, path, pool, prefilter, progress)
+    elif first is not None:
+        _stream(scanner, _chain([first], chunks), pool, prefilter, progress)
+    scanner.close()
+
+
+def _file_ranges(scanner: LineScanner, path: str, pool, prefilter, progress) -> None:
+    """A regular file: workers read and analyse byte ranges themselves (the lines that start in
+    each range); this process only reads back the few lines the exact path needs."""
+    global _PREFILTER
+    _PREFILTER = prefilter
+    hint = -1 if scanner.source.rank_hint is None else scanner.source.rank_hint
+    size = os.path.getsize(path)
     merger = ChunkMerger(scanner)
     number = 1
     pending: deque = deque()
-    for base, data in _chain([first], chunks):
-        if pool is None:
-            job = _analyse(data, rank_hint, prefilter)
-        elif path is not None:
-            job = pool.submit(_analyse_file, path, base, len(data), rank_hint)   # the worker reads it itself
-        else:
-            job = pool.submit(_analyse, bytes(data), rank_hint)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for low in range(0, size, CHUNK_BYTES):
+            high = min(low + CHUNK_BYTES, size)
+            job = pool.submit(_analyse_range, path, low, high, hint) if pool else _analyse_range(path, low, high, hint)
+            pending.append(job)
+            if len(pending) >= IN_FLIGHT:
+                number = _merge_range(merger, fd, pending.popleft(), number, progress)
+        while pending:
+            number = _merge_range(merger, fd, pending.popleft(), number, progress)
+    finally:
+        os.close(fd)
+
+
+def _merge_range(merger: ChunkMerger, fd: int, job, number: int, progress) -> int:
+    start, length, lines = job.result() if isinstance(job, Future) else job
+    if length:
+        merger.merge(FileSlice(fd, start, length), start, number, lines)
+    if progress is not None:
+        progress(start + length)
+    return number + len(lines.starts)
+
+
+def _stream(scanner: LineScanner, chunks, pool, prefilter, progress) -> None:
+    hint = -1 if scanner.source.rank_hint is None else scanner.source.rank_hint
+    merger = ChunkMerger(scanner)
+    number = 1
+    pending: deque = deque()
+    for base, data in chunks:
+        job = pool.submit(_analyse, bytes(data), hint) if pool is not None else _analyse(data, hint, prefilter)
         pending.append((base, data, job))
         if len(pending) >= IN_FLIGHT:
             number = _merge(merger, pending.popleft(), number, progress)
     while pending:
         number = _merge(merger, pending.popleft(), number, progress)
-    scanner.close()
+
+
+class FileSlice:
+    """A chunk of a file read on demand: `data[a:b]` preads just those bytes."""
+
+    def __init__(self, fd: int, base: int, length: int):
+        self.fd, self.base, self.length = fd, base, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: slice) -> bytes:
+        start, stop, _ = key.indices(self.length)
+        return os.pread(self.fd, max(0, stop - start), self.base + start) if stop > start else b""
 
 
 def _merge(merger: ChunkMerger, pending, number: int, progress) -> int:
@@ -123,10 +172,29 @@ def _analyse(data, rank_hint: int, prefilter=None) -> ChunkLines:
     return ChunkLines(starts, messages, ranks, flags, cuts, ranks2)
 
 
-def _analyse_file(path: str, offset: int, length: int, rank_hint: int) -> ChunkLines:
+def _analyse_range(path: str, low: int, high: int, rank_hint: int) -> tuple[int, int, ChunkLines]:
+    """The lines whose first byte lies in [low, high): (their start, their length, analysis)."""
     with open(path, "rb") as f:
-        data = os.pread(f.fileno(), length, offset)
-    return _analyse(data, rank_hint)
+        fd = f.fileno()
+        base = max(low - 1, 0)
+        buf = os.pread(fd, high - base + RANGE_TAIL, base)
+        if low == 0:
+            first = 0
+        else:
+            nl = buf.find(b"\n")
+            first = nl + 1 if 0 <= nl < high - base else -1
+        if first < 0:
+            return low, 0, _analyse(b"", rank_hint)       # inside one long line that started earlier
+        end = buf.find(b"\n", high - 1 - base)
+        while end < 0 and len(buf) >= high - base + RANGE_TAIL:   # the last line goes on: read on
+            more = os.pread(fd, RANGE_TAIL, base + len(buf))
+            if not more:
+                break
+            buf += more
+            end = buf.find(b"\n", high - 1 - base)
+        stop = end + 1 if end >= 0 else len(buf)
+        data = buf[first:stop]
+    return base + first, len(data), _analyse(data, rank_hint)
 
 
 def _is_gzip(source: Source) -> bool:

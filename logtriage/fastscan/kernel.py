@@ -129,7 +129,7 @@ def _is_rank_at(buf, p):
 
 
 @njit(cache=True, nogil=True)
-def _marker(buf, c, end):
+def _marker(buf, c, end, found):
     """assigner.find_rank_marker on an unprefixed message, within its first 120 characters
     (case-insensitive), trying its three patterns in order:
     1. `[ *(global[_ ])?rank *[:=#]? *(\\d{1,9}) *(/ *\\d+ *)?]`
@@ -137,16 +137,21 @@ def _marker(buf, c, end):
     3. `^ *rank *(\\d{1,9}) *[:|\\]]`
     Returns the rank or -1."""
     head_end = min(end, c + MARKER_HEAD)
+    count = 0   # `found` (scratch space) gets where "rank" occurs: at most 8, beyond that the exact path
     for p in range(c, head_end - 3):
-        if _is_rank_at(buf, p):
-            value = _bracket_marker_at(buf, c, p, head_end)
-            if value >= 0:
-                return value
-    for p in range(c, head_end - 3):
-        if _is_rank_at(buf, p):
-            value = _assignment_marker_at(buf, c, p, head_end)
-            if value >= 0:
-                return value
+        if (buf[p] | 32) == 114 and _is_rank_at(buf, p):
+            if count == 8:
+                return -2
+            found[count] = p
+            count += 1
+    for q in range(count):
+        value = _bracket_marker_at(buf, c, found[q], head_end)
+        if value >= 0:
+            return value
+    for q in range(count):
+        value = _assignment_marker_at(buf, c, found[q], head_end)
+        if value >= 0:
+            return value
     k = c
     while k < head_end and buf[k] == 32:
         k += 1
@@ -461,6 +466,7 @@ def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
     brackets = np.empty(cap, dtype=np.int64)
     last_cr = np.empty(cap, dtype=np.int64)
     high = np.empty(cap, dtype=np.bool_)
+    scratch = np.empty(8, dtype=np.int64)
     count = _scan_bytes(buf, BYTE_CLASS, ends, bad, last_colon, first_step, last_step, brackets, last_cr, high)
     line_start = 0
     for n in range(count):
@@ -530,9 +536,14 @@ def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
             if found > 1:
                 flag = NOT_PLAIN  # three or more parts: the exact path
             elif found == 1:
-                rank2 = rank_hint if rank_hint >= 0 else _marker(buf, i + cut, end)
+                rank2 = rank_hint if rank_hint >= 0 else _marker(buf, i + cut, end, scratch)
+                if rank2 == -2:
+                    flag = NOT_PLAIN
         if flag == 0 and not explicit:
-            rank = _marker(buf, c, i + cut if cut > 0 else end)
+            rank = _marker(buf, c, i + cut if cut > 0 else end, scratch)
+            if rank == -2:
+                rank = NO_RANK
+                flag = NOT_PLAIN
         if flag == 0 and first_step[n] >= c:
             if cut == 0 or first_step[n] + 2 < i + cut:
                 flag |= STEP
