@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from logtriage.api import run_triage
 from tests.fuzz.budget import TRIED, fuzz_settings, report_tried
 from tests.fuzz.invariants import check_conservation, check_outputs, triage_bytes
-from tests.fuzz.strategies import log_bytes
+from tests.fuzz.strategies import inflated_logs, log_bytes
 
 _COUNTER = itertools.count()
 FIXTURES = Path(__file__).resolve().parent / "data" / "hostile"
@@ -52,6 +52,14 @@ def workdir():
 @given(data=log_bytes())
 def test_any_log_bytes(workdir, data):
     TRIED["pipeline.file"] += 1
+    triage_bytes(data, workdir, f"fuzz{next(_COUNTER)}.log")
+
+
+@fuzz_settings(80)
+@given(data=inflated_logs())
+def test_real_lines_with_absurd_numbers(workdir, data):
+    """Found: 30-digit ranks from rule captures overflowed the JSON report; 5000-digit pids crashed int()."""
+    TRIED["pipeline.inflated"] += 1
     triage_bytes(data, workdir, f"fuzz{next(_COUNTER)}.log")
 
 

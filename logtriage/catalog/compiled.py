@@ -17,6 +17,7 @@ from logtriage.catalog.rule import Engine, Rule
 # rest of the process (the report says so), so a pathological rule costs at most ~0.15 s.
 REGEX_TIMEOUT_S = 0.05
 MAX_TIMEOUTS = 3
+MAX_DIGITS = 18       # every number of up to 18 digits fits the JSON report's 64-bit integers
 _RE2_OPTIONS = re2.Options()
 _RE2_OPTIONS.max_mem = 64 << 20
 _RE2_OPTIONS.log_errors = False   # a rule that does not compile is reported once, not logged by RE2 on stderr
@@ -51,8 +52,14 @@ class CompiledRule:
                 self.timed_out += 1
                 continue
             if m is not None:
-                return {k: v for k, v in m.groupdict().items() if v is not None}
+                return {k: v for k, v in m.groupdict().items() if v is not None and not _absurd_number(v)}
         return None
+
+
+def _absurd_number(value: str) -> bool:
+    """A capture of more than MAX_DIGITS digits is no rank, pid, exit code or size a fact can use
+    (int() refuses 4300 digits, JSON 64 bits): it is dropped, the line's other facts stay."""
+    return len(value) > MAX_DIGITS and value.lstrip("-").isdigit()
 
 
 def compile_rule(rule: Rule, allow_fallback: bool) -> CompiledRule:

@@ -11,6 +11,7 @@ logs, so the demuxer's prefix, block and splitting paths are the ones exercised.
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -179,3 +180,13 @@ def physical_lines(data: bytes) -> list[bytes]:
     if data.endswith(b"\n"):
         parts.pop()
     return parts
+
+
+@st.composite
+def inflated_logs(draw) -> bytes:
+    """Real lines whose every number is blown up to 19, 30 or 5000 digits: no rank, pid or exit
+    code may crash int() or overflow the JSON report's 64-bit integers."""
+    with_digits = [line for line in real_lines() if any(c.isdigit() for c in line)]
+    lines = draw(st.lists(st.sampled_from(with_digits), min_size=1, max_size=40))
+    digits = draw(st.sampled_from((19, 30, 5000)))
+    return "\n".join(re.sub(r"\d+", "9" * digits, line) for line in lines).encode()
