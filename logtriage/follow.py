@@ -8,9 +8,8 @@ and the full report follows when standard input ends or on Ctrl-C (which is how 
 ends: exit code 0, the report is the result; a second Ctrl-C exits at once with 130). A file that
 shrinks or is replaced (truncated, rotated) is announced on stderr and read again from its start.
 
-The lines go through the same per-line machinery as `triage FILE` (scan.LineScanner), so the
-final report is the report of the lines read. The prefix dialect is chosen from the first
-DIALECT_SAMPLE lines, or from what has arrived when the input first goes quiet."""
+Lines go through `triage FILE`'s per-line machinery (scan.LineScanner); the prefix dialect is
+chosen from the first DIALECT_SAMPLE lines, or from what arrived when the input first goes quiet."""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator, TextIO
 
 from logtriage.analysis.diagnose import diagnose
@@ -38,8 +38,7 @@ from logtriage.report.safe import terminal_safe
 from logtriage.scan import DIALECT_SAMPLE, LineScanner, ScanResult, SourceIndex, new_result
 
 POLL_S = 0.2          # how often a quiet input is looked at again (and Ctrl-C noticed)
-READ_BYTES = 1 << 16
-FINDING_TEXT = 200    # characters of a finding's text on its line
+READ_BYTES, FINDING_TEXT = 1 << 16, 200   # bytes per read; characters of a finding's text
 
 
 class LineSplitter:
@@ -61,8 +60,7 @@ class LineSplitter:
             yield self._emit(newline=1)
             start = end + 1
 
-    def flush(self) -> Iterator[tuple[int, bytes]]:
-        """The last line, when the input ended without a newline."""
+    def flush(self) -> Iterator[tuple[int, bytes]]:   # the last line, when it had no newline
         if self._size:
             yield self._emit(newline=0)
 
@@ -141,11 +139,9 @@ class StdinInput:
         self.ended = not chunk
         return chunk or None
 
-    def wait(self) -> None:
-        pass                               # read() already waited
-
-    def close(self) -> None:
+    def wait(self) -> None:                # read() already waited
         pass
+    close = wait
 
 
 @dataclass
@@ -173,8 +169,7 @@ class Session:
         for offset, raw in self.splitter.feed(chunk):
             self._line(offset, raw)
 
-    def quiet(self) -> None:
-        """The input has nothing more for now: decide the dialect from what arrived."""
+    def quiet(self) -> None:               # nothing more for now: the dialect from what arrived
         if self.scanner is None and self.waiting:
             self._start()
 
@@ -246,7 +241,6 @@ def follow(target: str, options: TriageOptions, out: TextIO, err: TextIO) -> Rep
 def _source(target: str) -> Source:
     if target == "-":
         return Source(0, "<stdin>", None)
-    from pathlib import Path
     path = Path(target)
     if path.is_dir():
         raise UsageError(f"{target}: --follow takes one file or '-', not a folder")
@@ -261,20 +255,18 @@ def _source(target: str) -> Source:
 
 def _print_new_findings(session: Session, out: TextIO, shown_text: Callable[[str], str]) -> None:
     hits = session.result.hits
-    if session.shown == len(hits):
-        return
     for position in range(session.shown, len(hits)):
         hit = hits[position]
         before = hits[position - 1] if position else None
         if hit.rule.role.value == "context" or (before and (before.line, before.slot) == (hit.line, hit.slot)):
             continue   # advice lines; a second rule on the same line (the best one came first)
         text = shown_text(hit.text)
-        if len(text) > FINDING_TEXT:
-            text = text[:FINDING_TEXT - 1] + "…"
+        text = text if len(text) <= FINDING_TEXT else text[:FINDING_TEXT - 1] + "…"
         who = _who(session.result, hit.slot, hit.captures)
         out.write(terminal_safe(f"finding: {session.source.name}:{hit.line} {who} {hit.rule.id}: {text}") + "\n")
+    if session.shown != len(hits):
+        out.flush()
     session.shown = len(hits)
-    out.flush()
 
 
 def _who(result: ScanResult, slot: int, captures) -> str:
