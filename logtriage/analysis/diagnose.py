@@ -9,7 +9,7 @@ from logtriage.analysis.childfailed import ChildFailure, parse_child_failures
 from logtriage.analysis.environment import Environment, collect_environment
 from logtriage.analysis.findings import Finding, resolve_findings
 from logtriage.analysis.rootcause import (ChainLink, ChainRole, RankFacts, RootCause, Verdict, build_chain,
-                                          choose_root, warning_root)
+                                          choose_root, missing_from_barrier, warning_root)
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role, Rule, Severity
 from logtriage.demux.streams import StreamKey, StreamKind
@@ -57,7 +57,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = _exit_only_root(failures, catalog)
     verdict = Verdict.FAILED if root is not None else Verdict.OK
     if root is None:
-        root = _waiting(findings, facts) or _hang_from_progress(facts, catalog)
+        root = (_waiting(findings, facts) or _hang_from_progress(facts, catalog)
+                or _stalled_in_nccl_init(findings, facts, catalog))
         if root is not None:
             verdict = Verdict.HUNG
     notes: list[str] = []
@@ -108,15 +109,12 @@ def _waiting(findings: list[Finding], facts: RankFacts) -> RootCause | None:
     if not waiting:
         return None
     first = waiting[0]
-    waiters = {f.rank for f in waiting if f.rank is not None}
     world = max((int(f.captures["world_size"]) for f in waiting if f.captures.get("world_size", "").isdigit()),
                 default=0)
     arrived = max((int(f.captures["worker_count"]) for f in waiting if f.captures.get("worker_count", "").isdigit()),
                   default=0)
-    missing = []
-    if world and world <= 65536 and waiters and len(waiters) >= arrived:   # every rank that arrived is in the log
-        missing = sorted(set(range(world)) - waiters)
-    reasons = [f"{arrived or len(waiters)} of {world or '?'} ranks reached the barrier and wait; nothing failed"]
+    missing = missing_from_barrier(waiting)
+    reasons = [f"{arrived or len(waiting)} of {world or '?'} ranks reached the barrier and wait; nothing failed"]
     if missing and len(missing) <= 8:
         reasons.append(f"rank(s) {', '.join(map(str, missing))} never arrived: look at what they were doing")
     rank = missing[0] if len(missing) == 1 else None
@@ -136,6 +134,20 @@ def _hang_from_progress(facts: RankFacts, catalog: Catalog) -> RootCause | None:
                                                             "Output stopped: no error, ranks' progress diverged")
     return RootCause(rule, None, behind[0] if len(behind) == 1 else None, behind, 0.45, (
         f"no error line; rank(s) {', '.join(map(str, behind))} stopped at step {low} while others reached step {high}",))
+
+
+def _stalled_in_nccl_init(findings: list[Finding], facts: RankFacts, catalog: Catalog) -> RootCause | None:
+    """No error and no progress, and NCCL's INFO lines start but no communicator completes: the
+    output stopped while the ranks were connecting."""
+    init = [f for f in findings if f.rule.id == "context.nccl_init_progress"]
+    started = [f for f in init if f.captures.get("bootstrap_if")]
+    if not started or facts.last_step or any(f.captures.get("complete") for f in init):
+        return None
+    rule = catalog.get("hang.nccl_init_stalled") or _fallback_rule(
+        "hang.nccl_init_stalled", Category.HANG, "Output stopped while NCCL was setting up its communicator")
+    return RootCause(rule, started[-1], None, (), 0.4, (
+        f"NCCL started in {len(started)} process(es) but no communicator reached `Init COMPLETE`, "
+        "and nothing (no step, no error, no exit) came after",))
 
 
 def _exit_only_root(failures: list[ChildFailure], catalog: Catalog) -> RootCause | None:

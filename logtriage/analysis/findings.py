@@ -33,7 +33,7 @@ _SIGNAL_RULES = {"SIGSEGV": "signal.sigsegv", "SIGABRT": "signal.sigabrt", "SIGB
 # "Rank 1 is running collective"); used when the line itself carries no rank prefix.
 SELF_RANK_CAPTURES = ("self_rank", "pg_rank")
 _BLOCK_KINDS_WITH_ONE_EVENT = frozenset({"traceback", "native", "cpp", "fault"})
-_EXCEPTION_TYPE = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit))(?::|$)")
+_EXCEPTION_TYPE = re.compile(r"^((?:[A-Za-z_]\w*\.)*(?:[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)|Exception))(?::|$)")
 _WORKER_FIELDS = frozenset({"local_rank", "pid", "process", "task"})
 _INFO_LINE = re.compile(r"^\[?I\d{3,4} \d\d:\d\d:\d\d")
 _MASK = re.compile(r"0x[0-9a-fA-F]+|\d+")

@@ -14,6 +14,7 @@ from enum import Enum
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.timestamps import clearly_before
 from logtriage.catalog.rule import Category, Role, Rule, Severity
+from logtriage.demux.streams import StreamKind
 
 
 class Verdict(str, Enum):
@@ -119,12 +120,16 @@ def _collective_timeouts(live: list[Finding]) -> bool:
 def _explained(finding: Finding, live: list[Finding]) -> bool:
     """An ambiguous finding (a SIGABRT, an exit code) on a rank that already reported an error of
     its own (a watchdog timeout, a peer error) is that error's consequence. A launcher summary
-    line about a rank is explained by anything that rank printed."""
+    line about a rank is explained by anything that rank printed. The launcher's own header about
+    a rank (`-- Process 1 terminated with the following error:`) explains nothing: the rank's
+    error follows it."""
     if finding.rank is None:
         return False
     from_launcher = finding.attributed_by == "launcher"
     return any(other.rank == finding.rank and other is not finding and other.role is not Role.EITHER
-               and (from_launcher or other.seq < finding.seq) for other in live)
+               and (from_launcher or other.seq < finding.seq)
+               and not (other.stream.kind is StreamKind.LAUNCHER and other.role is Role.CASCADE_CANDIDATE)
+               for other in live)
 
 
 def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts, confidence: float) -> RootCause:
@@ -149,17 +154,25 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
         if refined is not None:
             rank = refined
     elif rank is None:
-        rank = _rank_reporting_the_same(first, live)
-        if rank is not None:
-            ranks = (rank,)
-            reasons.append(f"the line carries no rank; rank {rank} reports the same kind of error")
-            confidence -= 0.1
-        else:
-            rank = _rank_from_exit_codes(facts)
+        for find, why in ((lambda: _rank_reporting_the_same(first, live),
+                           "the line carries no rank; rank {} reports the same kind of error"),
+                          (lambda: _rank_the_launcher_saw_fail(live),
+                           "the line carries no rank; the launcher saw rank {} fail first"),
+                          (lambda: _rank_from_exit_codes(facts),
+                           "rank {} is the only worker that failed with its own exit code"),
+                          (lambda: next(iter(facts.known)) if len(facts.known) == 1 else None,
+                           "rank {} is the only rank in this log")):
+            rank = find()
             if rank is not None:
                 ranks = (rank,)
-                reasons.append(f"rank {rank} is the only worker that failed with its own exit code")
+                reasons.append(why.format(rank))
                 confidence -= 0.15
+                break
+    missing = missing_from_barrier(group)
+    if missing:
+        rank, ranks = missing[0], tuple(missing)
+        reasons.append(f"rank(s) {', '.join(map(str, missing))} never reached the start-up barrier the others "
+                       f"waited in")
     odd = _mismatch_odd_one_out(live)
     if odd is not None and first.category is Category.COLLECTIVE_MISMATCH:
         return RootCause(first.rule, first, odd, (odd,), confidence, (
@@ -170,6 +183,30 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
         rank, ranks = culprit, (culprit,)
         reasons.append(f"a debug report names rank {culprit} as the one that lagged or differed")
     return RootCause(first.rule, first, rank, ranks, confidence, tuple(reasons))
+
+
+_LAUNCHER_EXITS = frozenset({"signal.exit_nonzero", "signal.sigkill", "signal.sigsegv", "signal.sigabrt",
+                             "signal.sigbus", "launcher.spawn_child_error"})
+
+
+def _rank_the_launcher_saw_fail(live: list[Finding]) -> int | None:
+    """The first worker the launcher reported failing with its own exit (torchrun's
+    `failed (exitcode: 1) local_rank: 1`, mp.spawn's process N, composer's `Rank N crashed`)."""
+    exits = [f for f in live if f.rule.id in _LAUNCHER_EXITS and f.rank is not None]
+    return min(exits, key=lambda f: f.seq).rank if exits else None
+
+
+def missing_from_barrier(findings: list[Finding]) -> list[int]:
+    """Ranks absent from a start-up barrier: every rank that arrived says so (`for rank: N ...
+    (world_size=W, worker_count=C)`); when all C of them are in the log, the others are missing."""
+    reporters = {int(f.captures["self_rank"]) for f in findings if f.captures.get("self_rank", "").isdigit()}
+    world = max((int(f.captures["world_size"]) for f in findings if f.captures.get("world_size", "").isdigit()),
+                default=0)
+    arrived = max((int(f.captures["worker_count"]) for f in findings if f.captures.get("worker_count", "").isdigit()),
+                  default=0)
+    if not world or world > 65536 or not reporters or len(reporters) < arrived:
+        return []
+    return sorted(set(range(world)) - reporters)
 
 
 def _rank_reporting_the_same(first: Finding, live: list[Finding]) -> int | None:

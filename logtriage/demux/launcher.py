@@ -7,9 +7,9 @@ import re
 from dataclasses import dataclass, field
 
 # W1129 23:34:12.333000 8232 torch/distributed/run.py:874] message
-# Numbers converted with int() have at most 12 digits: a log cannot make an integer too big for the
-# JSON report (or too long for Python to convert).
-PY_GLOG = re.compile(r"^([IWEC])(\d{4}) (\d\d:\d\d:\d\d\.\d{6}) (\d{1,12}) (\S+):(\d+)\] ?(.*)$")
+# Numbers converted with int() have at most 12 digits (18 for the glog thread id, 15 digits in real
+# torch 2.3 logs): a log cannot make an integer too big for the JSON report (or too long to convert).
+PY_GLOG = re.compile(r"^([IWEC])(\d{4}) (\d\d:\d\d:\d\d\.\d{6}) (\d{1,18}) (\S+):(\d+)\] ?(.*)$")
 _LAUNCHER_PATHS = re.compile(
     r"distributed/(?:run|launch)\.py|distributed/elastic/|distributed/launcher/|multiprocessing/spawn\.py"
     r"|deepspeed/launcher/|accelerate/commands/")

@@ -62,14 +62,18 @@ NEARBY_LINES = 200
 
 
 def _exception_type(scan: ScanResult, diag: Diagnosis, finding: Finding) -> str | None:
-    """The exception the root line belongs to: its own, its traceback's, or the first traceback
-    of the same stream that starts soon after it (a device-side assert printed before the
+    """The exception the root line belongs to: its own, its traceback's, the same error's soon after,
+    or the first traceback of the same stream that starts soon after it (a device-side assert printed before the
     `RuntimeError: CUDA error` traceback)."""
     if finding.exception_type:
         return finding.exception_type
     stream = finding.stream
     if stream.kind is StreamKind.LAUNCHER:
         return None   # a launcher line about a worker: the launcher's own traceback is not its cause
+    for other in diag.findings:   # the same error again soon after, as an exception line (spliced pastes)
+        if (other.rule.id == finding.rule.id and other.stream == stream and other.exception_type
+                and other.source == finding.source and finding.line < other.line <= finding.line + NEARBY_LINES):
+            return other.exception_type
     for block_id, (source, first, _) in sorted(scan.blocks.items(), key=lambda kv: kv[1][1]):
         if source != finding.source or not finding.line <= first <= finding.line + NEARBY_LINES:
             continue
