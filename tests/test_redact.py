@@ -184,3 +184,11 @@ def test_fast_on_lines_without_secrets():
     for line in lines:
         r.redact(line)
     assert time.perf_counter() - start < 1.0     # about 0.1 s here; a full pass per line would be ~1.5 s
+
+
+def test_config_names_ending_in_key_keep_dotted_code_names():
+    r = Redactor()
+    assert r.redact("full_key: dataset.train_dataset") == "full_key: dataset.train_dataset"
+    assert r.redact("secret_key=abc.def") == "secret_key=[REDACTED:secret]"
+    assert r.redact("API_KEY=sk_live_abc") == "API_KEY=[REDACTED:secret]"
+    assert r.redact("db_key=hunter_two") == "db_key=[REDACTED:secret]"
