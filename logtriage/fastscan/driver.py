@@ -5,6 +5,7 @@ the workers analyse the next chunks."""
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 import zlib
 from collections import deque
@@ -17,7 +18,7 @@ from logtriage.catalog.matcher import Matcher
 from logtriage.demux.clean import clean, decode
 from logtriage.demux.prefixes import Dialect
 from logtriage.errors import InputError
-from logtriage.fastscan.flags import CANDIDATE
+from logtriage.fastscan.flags import CANDIDATE, NOT_PLAIN
 from logtriage.fastscan.merge import ChunkLines, ChunkMerger
 from logtriage.ingest.reader import open_source
 from logtriage.ingest.sources import GZIP_MAGIC, Source
@@ -186,15 +187,20 @@ def _analyse_range(path: str, low: int, high: int, rank_hint: int) -> tuple[int,
         if first < 0:
             return low, 0, _analyse(b"", rank_hint)       # inside one long line that started earlier
         end = buf.find(b"\n", high - 1 - base)
-        while end < 0 and len(buf) >= high - base + RANGE_TAIL:   # the last line goes on: read on
-            more = os.pread(fd, RANGE_TAIL, base + len(buf))
+        overlong = end < 0 and len(buf) >= high - base + RANGE_TAIL
+        position = len(buf)
+        while overlong and end < 0:   # the last line goes on: find its end, keep only what was read
+            more = os.pread(fd, RANGE_TAIL << 4, base + position)
             if not more:
                 break
-            buf += more
-            end = buf.find(b"\n", high - 1 - base)
-        stop = end + 1 if end >= 0 else len(buf)
-        data = buf[first:stop]
-    return base + first, len(data), _analyse(data, rank_hint)
+            found = more.find(b"\n")
+            end = position + found if found >= 0 else -1
+            position += len(more)
+        stop = end + 1 if end >= 0 else position
+        lines = _analyse(buf[first:stop], rank_hint)
+        if overlong and len(lines.flags):
+            lines.flags[-1] |= NOT_PLAIN   # analysed in part: the merge reads it back (capped) and matches it
+    return base + first, stop - first, lines
 
 
 def _is_gzip(source: Source) -> bool:
@@ -207,6 +213,7 @@ def _is_gzip(source: Source) -> bool:
 
 def _init_worker(prefilter) -> None:
     global _PREFILTER
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
     _PREFILTER = prefilter
 
 

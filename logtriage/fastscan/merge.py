@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from logtriage.fastscan.flags import CANDIDATE, INHERIT, NOT_PLAIN, STEP, STEP2
+from logtriage.ingest.reader import MAX_LINE, TAIL
 from logtriage.scan import LineScanner, SlotStats, note_step
 
 LUT_RANKS = 1 << 20
@@ -88,7 +89,12 @@ class ChunkMerger:
         i = 0
         while i < n:
             if slow[i] or not assigner.idle:
-                raw = bytes(data[starts[i]:ends[i]])
+                length = int(ends[i] - starts[i])
+                if length <= MAX_LINE:
+                    raw = bytes(data[starts[i]:ends[i]])
+                else:   # an overlong line: read only what the exact path keeps of it
+                    raw = bytes(data[starts[i]:starts[i] + MAX_LINE]) + b" [...] " + bytes(
+                        data[max(starts[i] + MAX_LINE, ends[i] - TAIL):ends[i]])
                 slots[i] = scanner.line(first_number + i, base + int(starts[i]), raw,
                                         may_match=bool(lines.flags[i] & (CANDIDATE | NOT_PLAIN)), index=False)
                 i += 1

@@ -60,8 +60,9 @@ def iter_raw_lines(source: Source, tee: BinaryIO | None = None) -> Iterator[tupl
                 if size == MAX_LINE and not raw.endswith(b"\n"):
                     tail, rest = _rest_of_line(stream, tee)
                     size += rest
+                    tail = tail[:-1] if tail.endswith(b"\n") else tail
                     raw = raw + b" [...] " + tail if tail else raw
-                if raw.endswith(b"\n"):
+                elif raw.endswith(b"\n"):
                     raw = raw[:-1]
                 yield offset, raw
                 offset += size

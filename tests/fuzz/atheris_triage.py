@@ -2,7 +2,7 @@
 run. The same invariants as the property tests: no exception, lines conserved, JSON valid, text
 and Markdown free of control characters.
 
-    pip install atheris
+    pip install -e ".[fuzz]"
     python tests/fuzz/atheris_triage.py -runs=20000 -max_len=4096 tests/data/hostile/
     python tests/fuzz/atheris_triage.py -max_total_time=300 -max_len=4096 /tmp/corpus tests/data/hostile/
 
