@@ -57,9 +57,16 @@ def run_triage(inputs: Sequence[str], options: TriageOptions = TriageOptions()) 
         result = fast_scan(discovery.sources, matcher, options.progress, options.workers)
     else:
         result = scan(discovery.sources, matcher, options.progress)
-    result.problems[:0] = [f"skipped {s}" for s in discovery.skipped] + [f"rule problem: {p}" for p in catalog.problems]
+    result.problems[:0] = [f"skipped {s}" for s in discovery.skipped]
+    return finish(result, catalog, options)
+
+
+def finish(result: ScanResult, catalog: Catalog, options: TriageOptions) -> TriageRun:
+    """Diagnose a finished scan and build its (redacted) report: the steps after the scan, shared
+    by one-shot runs and `--follow`."""
+    result.problems[:0] = [f"rule problem: {p}" for p in catalog.problems]
     diag = diagnose(result, catalog)
-    redactor, info = _redactor(options)
+    redactor, info = make_redactor(options)
     report = build_report(result, diag, redaction=info)
     if redactor is not None:
         report = redact_report(report, redactor)
@@ -88,7 +95,7 @@ def _use_fast(engine: str, sources) -> bool:
     return size >= FAST_SCAN_BYTES
 
 
-def _redactor(options: TriageOptions) -> tuple[Redactor | None, dict]:
+def make_redactor(options: TriageOptions) -> tuple[Redactor | None, dict]:
     """Every log-derived string of the report is redacted (evidence, findings, environment facts,
     notes, source names), in every format."""
     if not options.redact:

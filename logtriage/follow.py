@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, TextIO
 
-from logtriage.analysis.diagnose import diagnose
-from logtriage.api import TriageOptions, _redactor, get_catalog
+from logtriage.api import TriageOptions, finish, get_catalog, make_redactor
 from logtriage.catalog.matcher import Matcher
 from logtriage.demux.clean import clean, decode
 from logtriage.demux.prefixes import Dialect
@@ -31,8 +30,6 @@ from logtriage.demux.streams import SlotKind, StreamKind
 from logtriage.errors import CatalogError, InputError, UsageError
 from logtriage.ingest.reader import MAX_LINE
 from logtriage.ingest.sources import GZIP_MAGIC, Source, display_name
-from logtriage.redact import redact_report
-from logtriage.report.build import build_report
 from logtriage.report.model import Report
 from logtriage.report.safe import terminal_safe
 from logtriage.scan import DIALECT_SAMPLE, LineScanner, ScanResult, SourceIndex, new_result
@@ -205,7 +202,7 @@ def follow(target: str, options: TriageOptions, out: TextIO, err: TextIO) -> Rep
         raise CatalogError(list(catalog.problems))
     source = _source(target)
     reader = StdinInput() if source.is_stdin else FileInput(target)
-    redactor, info = _redactor(options)
+    redactor, _ = make_redactor(options)
     shown_text = redactor.redact if redactor is not None else (lambda s: s)
     session = Session(source, Matcher(catalog))
     stop = _StopOnInterrupt()
@@ -233,9 +230,7 @@ def follow(target: str, options: TriageOptions, out: TextIO, err: TextIO) -> Rep
         reader.close()
     result = session.finish()
     _print_new_findings(session, out, shown_text)
-    result.problems[:0] = [f"rule problem: {p}" for p in catalog.problems]
-    report = build_report(result, diagnose(result, catalog), redaction=info)
-    return redact_report(report, redactor) if redactor is not None else report
+    return finish(result, catalog, options).report
 
 
 def _source(target: str) -> Source:

@@ -173,7 +173,6 @@ def _progress_lines(scanner: LineScanner, data, first_number: int, lines: ChunkL
     slots = np.concatenate([slot_of[one], last_of[two]])
     latest = np.full(int(slots.max()) + 1, -1, dtype=np.int64)
     np.maximum.at(latest, slots, keys)
-    result, source = scanner.result, scanner.source.index
     for slot in np.flatnonzero(latest >= 0).tolist():
         if _note_progress(scanner, data, first_number, lines, ends, slot, int(latest[slot])):
             continue
