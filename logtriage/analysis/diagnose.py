@@ -56,12 +56,15 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is None and failures:
         root = _exit_only_root(failures, catalog)
     verdict = Verdict.FAILED if root is not None else Verdict.OK
+    notes: list[str] = []
     if root is None:
-        root = (_waiting(findings, facts) or _hang_from_progress(facts, catalog)
-                or _stalled_in_nccl_init(findings, facts, catalog))
+        root = _waiting(findings, facts)
+        if root is None and not scan.unreadable:   # output that stops where the input broke off says nothing
+            root = _hang_from_progress(facts, catalog) or _stalled_in_nccl_init(findings, facts, catalog)
         if root is not None:
             verdict = Verdict.HUNG
-    notes: list[str] = []
+    if scan.unreadable:
+        notes.append("the input ended early (damaged or truncated): errors after that point are not in this report")
     chain = build_chain(root, findings)
     notes += _child_failed_notes(failures, root)
     env = collect_environment(scan.probes, scan.banner_lines, [s.name for s in scan.sources])
