@@ -38,6 +38,14 @@ def test_coverage(name):
     assert load_catalog().get(name) is not None
 
 
+def test_every_rule_is_in_the_documented_id_table():
+    from pathlib import Path
+    table = (Path(__file__).parents[1] / "docs" / "catalog.md").read_text(encoding="utf-8")
+    table = table[table.index("| family | ids |"):]
+    missing = [r.rule.id for r in load_catalog().rules if f"`{r.rule.id}`" not in table]
+    assert missing == []
+
+
 def test_categories_are_the_documented_list():
     assert {c.value for c in Category} == {
         "collective_timeout", "collective_error", "collective_mismatch", "gpu_oom", "host_oom", "numerical",
