@@ -67,11 +67,11 @@ def test_user_rule_with_only_required_fields(tmp_path):
         title = "NFS went away"
         category = "environment"
         role = "root_candidate"
-        patterns = ['Stale file handle']
+        patterns = ['lustre: client evicted']
     """))
     catalog = load_catalog([tmp_path])
     assert catalog.problems == ()
-    hits = Matcher(catalog).match("OSError: [Errno 116] Stale file handle")
+    hits = Matcher(catalog).match("LustreError: lustre: client evicted by the MDS")
     assert hits[0].rule.id == "team.flaky_nfs"
 
 
