@@ -152,5 +152,27 @@ MAX_RESTARTS = Scenario(
     ),
 )
 
+FD_EXHAUSTED = Scenario(
+    name="fd_exhausted", script="resource_exhausted.py", script_args=("--how", "fds"),
+    description="one rank runs out of file descriptors (a dataset that never closes its files)",
+    expect=Expectation(FAILED, "environment", "host.too_many_open_files", RankRef.FAULT,
+                       exception_type="OSError", required_findings=CLOSED,
+                       note="rank {fault} lowers RLIMIT_NOFILE and opens files until EMFILE; "
+                            "its peers see 'Connection closed by peer'"),
+    evidence="Too many open files",
+    variants=(Variant("np2"), Variant("np3", nproc=3, fault_rank=2)),
+)
+
+NO_INIT = Scenario(
+    name="no_init", script="resource_exhausted.py", script_args=("--how", "no_init"),
+    description="one rank never calls init_process_group and asks torch.distributed for its rank",
+    expect=Expectation(FAILED, "launch_usage", "dist.pg_not_initialized", RankRef.FAULT,
+                       exception_type="ValueError",
+                       note="rank {fault} raises 'Default process group has not been initialized'; "
+                            "the others wait in init_process_group until the agent stops them"),
+    evidence="Default process group has not been initialized",
+    variants=(Variant("np2"),),
+)
+
 SCENARIOS = (HEALTHY, RANK_EXCEPTION, ALL_RANKS_NAMEERROR, RANK_SIGKILL, RANK_SIGSEGV,
-             RANK_EXIT_CODE, WATCHDOG_STUCK_RANK, LOADER_WORKER_CRASH, MAX_RESTARTS)
+             RANK_EXIT_CODE, WATCHDOG_STUCK_RANK, LOADER_WORKER_CRASH, MAX_RESTARTS, FD_EXHAUSTED, NO_INIT)
