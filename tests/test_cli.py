@@ -105,3 +105,11 @@ def test_explain_and_catalog():
     assert triage("catalog", "check").returncode == 0
     listed = triage("catalog", "list").stdout.decode()
     assert "gloo.timeout" in listed and "cuda.oom" in listed
+
+
+def test_triage_test_takes_a_captured_log_with_its_sidecar():
+    out = triage("test", SAMPLES / "cpu" / "no_init__np2.log")
+    assert out.returncode == 0
+    assert b"pass   failed launch_usage dist.pg_not_initialized rank=1" in out.stdout
+    out = triage("test", LOG.parent.parent.parent / "README.md")
+    assert out.returncode == 3 and b"log with one beside it" in out.stderr

@@ -72,10 +72,12 @@ def find_cases(root: Path) -> list[Case]:
     """Every `X.expect.toml` under root with its log (`X.log`, `X.log.gz`, or a folder `X/`)."""
     if root.is_file() and root.name.endswith(EXPECT_SUFFIX):
         paths = [root]
+    elif root.is_file() and _expectation_of(root).is_file():   # a captured log: its sidecar
+        paths = [_expectation_of(root)]
     elif root.is_dir():
         paths = sorted(root.rglob(f"*{EXPECT_SUFFIX}"))
     else:
-        raise InputError(f"{root}: not a folder of captured logs or an .expect.toml file")
+        raise InputError(f"{root}: not a folder of captured logs, an .expect.toml file or a log with one beside it")
     cases = []
     for expect in paths:
         stem = expect.name[: -len(EXPECT_SUFFIX)]
@@ -112,3 +114,9 @@ def compare(expect: Expectation, report: Mapping[str, Any]) -> list[str]:
     problems += [f"required finding {r} missing" for r in expect.required_findings if r not in found]
     problems += [f"forbidden finding {r} present" for r in expect.forbidden_findings if r in found]
     return problems
+
+
+def _expectation_of(log: Path) -> Path:
+    """`X.log` or `X.log.gz` -> `X.expect.toml` beside it."""
+    name = log.name.removesuffix(".gz").removesuffix(".log")
+    return log.with_name(name + EXPECT_SUFFIX)
