@@ -326,6 +326,31 @@ BYTE_CLASS[91] = _BRACKET_OPEN
 BYTE_CLASS[13] = _CR            # tqdm redraws: the line shows what follows the last CR
 
 
+_ONES = np.uint64(0x0101010101010101)
+_HIGHS = np.uint64(0x8080808080808080)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _zero_bytes(x):
+    """The high bit of every zero byte of x is set (and maybe of a byte above one: never a miss)."""
+    return (x - _ONES) & ~x & _HIGHS
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _special_word(x):
+    """Whether the 8 bytes in x (little-endian) may hold a byte _scan_bytes must look at, false
+    positives allowed: a control byte (< 32), DEL or non-ASCII, `[` or `]`, or a `t` that starts
+    `te` (in the word, or as its last byte)."""
+    if (x & _HIGHS) != 0 or ((x - _ONES * np.uint64(32)) & ~x & _HIGHS) != 0:
+        return True
+    if (_zero_bytes(x ^ (_ONES * np.uint64(91))) | _zero_bytes(x ^ (_ONES * np.uint64(93)))
+            | _zero_bytes(x ^ (_ONES * np.uint64(127)))) != 0:
+        return True
+    t = _zero_bytes(x ^ (_ONES * np.uint64(116)))
+    e = _zero_bytes(x ^ (_ONES * np.uint64(101)))
+    return ((t & (e >> np.uint64(8))) | (t >> np.uint64(63))) != 0
+
+
 @njit(cache=True, nogil=True)
 def _scan_bytes(buf, classes, ends, bad, last_colon, first_step, last_step, brackets, last_cr, high):
     """One pass over the chunk: line ends, and per line whether it holds a byte a plain line may
@@ -339,7 +364,16 @@ def _scan_bytes(buf, classes, ends, bad, last_colon, first_step, last_step, brac
     opens = 0
     cr = -1
     is_high = False
-    for k in range(size):
+    words = buf[:size - size % 8].view(np.uint64)
+    k = -1
+    while True:
+        k += 1
+        if k & 7 == 0:
+            # eight bytes at a time while none of them is special (most of a log's bytes)
+            while (k >> 3) < words.shape[0] and not _special_word(words[k >> 3]):
+                k += 8
+        if k >= size:
+            break
         c = classes[buf[k]]
         if c == 0:
             continue
