@@ -140,14 +140,15 @@ def _marker(buf, c, end, found):
     count = 0   # `found` (scratch space) gets where "rank" occurs: at most 8, beyond that the exact path
     for p in range(c, head_end - 3):
         if (buf[p] | 32) == 114 and _is_rank_at(buf, p):
+            # pattern 1's leftmost match starts at the first "rank" that completes one (the text
+            # between its `[` and "rank" cannot hold another "rank"): stop at the first success
+            value = _bracket_marker_at(buf, c, p, head_end)
+            if value >= 0:
+                return value
             if count == 8:
                 return -2
             found[count] = p
             count += 1
-    for q in range(count):
-        value = _bracket_marker_at(buf, c, found[q], head_end)
-        if value >= 0:
-            return value
     for q in range(count):
         value = _assignment_marker_at(buf, c, found[q], head_end)
         if value >= 0:
