@@ -115,6 +115,23 @@ async def test_search_counts_matches_and_n_moves_between_them():
 
 
 @drive
+async def test_typing_a_new_search_replaces_the_last_one():
+    app = make_app(NP4)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("m", "slash", *"gloo", "enter")
+        await settle(app, pilot)
+        assert app.search_query.text == "gloo" and len(app.match_rows) == 3
+        await pilot.press("slash", *"sigterm", "enter", "n")        # keys typed at once land in the prompt
+        await settle(app, pilot)
+        assert app.search_query.text == "sigterm" and app.view_mode is Mode.ALL
+        assert "SIGTERM" in app.store.text(app.log_view.cursor_gid())
+        await pilot.press("ampersand", "enter")                     # an empty filter: no filter
+        await settle(app, pilot)
+        assert app.filter is None and app.log_view.view.count == 117
+
+
+@drive
 async def test_search_is_case_insensitive_unless_it_has_capitals_and_bad_regex_is_literal():
     app = make_app(NP4)
     async with app.run_test(size=SIZE) as pilot:
@@ -203,6 +220,17 @@ async def test_export_writes_the_markdown_report(tmp_path):
     text = target.read_text()
     assert text.startswith("## triage: failed — rank 2: Unhandled Python exception")
     assert "### Causal chain" in text and "rank\\_exception\\_\\_np4.log:24" in text
+
+
+@drive
+async def test_export_to_the_default_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    app = make_app(str(ROOT / NP4))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("w", "enter")
+        await settle(app, pilot)
+    assert (tmp_path / "rank_exception__np4.triage.md").read_text().startswith("## triage: failed — rank 2")
 
 
 @drive

@@ -93,12 +93,15 @@ def test_query_parse_smart_case_literals_and_bad_regex():
     assert Query.parse("loss").spans("loss Loss LOSS") == [(0, 4), (5, 9), (10, 14)]
 
 
-@pytest.mark.parametrize("pattern", ["loss", "Traceback", "gloo.*closed", "rank2", "SIGTERM", "(?:step|iter) \\d"])
-def test_search_by_raw_blocks_agrees_with_line_by_line(monkeypatch, pattern):
+@pytest.mark.parametrize("few", [0, 20_000], ids=["arrays", "find"])
+@pytest.mark.parametrize("pattern", ["loss", "Traceback", "gloo.*closed", "rank2", "SIGTERM", "(?:step|iter) \\d",
+                                     "STEP", "e"])
+def test_search_by_raw_blocks_agrees_with_line_by_line(monkeypatch, pattern, few):
     store = _store(NP4)
     view = View.every_line("all", store.total)
     direct = matching_gids(store, view, Query.parse(pattern))
     monkeypatch.setattr(search_module, "DIRECT_LIMIT", 0)
+    monkeypatch.setattr(search_module, "FEW_MATCHES", few)         # literals: by find, or by array comparison
     monkeypatch.setattr(search_module, "CHUNK", 1000)              # many blocks, lines cut at block ends
     by_blocks = matching_gids(store, view, Query.parse(pattern))
     expected = [g for g in range(store.total) if Query.parse(pattern).matches(store.text(g))]
@@ -118,10 +121,12 @@ def test_views_subset_and_rows():
 def test_split_rows_pair_lines_of_the_same_step():
     texts = {1: "step 1 loss", 2: "a", 3: "step 2 loss", 4: "boom",
              11: "step 1 loss", 12: "step 2 loss", 13: "b", 14: "c"}
-    rows = split_rows(np.array([1, 2, 3, 4]), np.array([11, 12, 13, 14]), texts.__getitem__)
+    rows = split_rows(np.array([1, 2, 3, 4]), np.array([11, 12, 13, 14]), lambda g: texts[g].encode(),
+                      texts.__getitem__)
     assert rows.basis is Basis.STEP
     assert list(zip(rows.left.tolist(), rows.right.tolist())) == [(1, 11), (2, BLANK), (3, 12), (4, 13), (BLANK, 14)]
-    plain = split_rows(np.array([1, 5]), np.array([3]), {1: "a", 3: "b", 5: "c"}.__getitem__)
+    letters = {1: "a", 3: "b", 5: "c"}
+    plain = split_rows(np.array([1, 5]), np.array([3]), lambda g: letters[g].encode(), letters.__getitem__)
     assert plain.basis is Basis.INPUT and plain.left.tolist() == [1, BLANK, 5] and plain.right.tolist() == [BLANK, 3, BLANK]
 
 

@@ -66,3 +66,12 @@ def test_hostile_line_shown_literally(snap_compare, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_log(tmp_path / "hostile.log", HOSTILE)
     assert snap_compare(make_app("hostile.log"), terminal_size=SIZE, run_before=_ready)
+
+
+def test_search_prompt_open(snap_compare):
+    """The prompt is one line at the bottom; what is typed shows; the footer says escape cancels."""
+    async def run(pilot) -> None:
+        await settle(pilot.app, pilot)
+        await pilot.press("slash", *"KeyErr")
+        await pilot.pause()
+    assert snap_compare(make_app(NP4), terminal_size=SIZE, run_before=run)

@@ -6,6 +6,8 @@ import asyncio
 import functools
 from pathlib import Path
 
+from textual.worker import WorkerState
+
 from logtriage.tui.app import TriageApp
 from logtriage.tui.model.session import resolve
 
@@ -27,11 +29,15 @@ def make_app(*inputs: str, **options) -> TriageApp:
 
 
 async def settle(app: TriageApp, pilot) -> None:
-    """Until no worker runs (index, triage, search, filter, split) and the screen caught up."""
-    for _ in range(20):
+    """Until no worker is pending or running (index, triage, search, filter, split) twice in a row,
+    with the messages in between handled."""
+    quiet = 0
+    for _ in range(100):
         await app.workers.wait_for_complete()
         await pilot.pause()
-        if not any(w.is_running for w in app.workers):
+        busy = any(w.state in (WorkerState.PENDING, WorkerState.RUNNING) for w in app.workers)
+        quiet = 0 if busy else quiet + 1
+        if quiet >= 2:
             break
     await pilot.pause()
 

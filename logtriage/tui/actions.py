@@ -4,6 +4,7 @@ layout and the loading); the work on many lines runs in worker threads."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,17 @@ PALETTE = ("#5fafff", "#87d787", "#ffaf5f", "#d787ff", "#5fd7d7", "#ffd75f", "#f
            "#87afff", "#d7af87", "#5fd787", "#af87d7")
 OTHER_LABELS = {"launcher": ("lnch", "grey62"), "banner": ("bnr", "grey50"), "probe": ("prb", "grey50"),
                 "unattributed": ("?", "grey42")}
+
+
+def while_shown(method):
+    """For callbacks of timers and workers: nothing to do once the app's widgets are gone."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        log = getattr(self, "_log", None)
+        if log is None or not log.is_attached:
+            return None
+        return method(self, *args, **kwargs)
+    return run
 
 
 class ViewActions:
@@ -63,8 +75,14 @@ class ViewActions:
         self._titled(log, view.title, f"{view.count:,} lines")
         self.match_rows = np.empty(0, np.int64)
         if self.search_query is not None:
-            self._search_worker(view, self.search_query, False)
+            self._start_search(view, self.search_query, False)
         self._status()
+
+    def _focus(self, widget) -> None:
+        """Focus now (Widget.focus waits for the queue, behind keys already typed), and never
+        away from an open prompt."""
+        if not self.query_one("#prompt", PromptBar).is_open:
+            self.screen.set_focus(widget)
 
     def _label_of(self, gid: int) -> tuple[str, str]:
         stream = self.triaged.stream_at(gid)
@@ -117,7 +135,7 @@ class ViewActions:
             target = errors[0] if errors else (int(gids[-1]) if len(gids) else None)
             self._show_stream(event.stream, target)
         if event.activated:
-            self.log_view.focus()
+            self._focus(self.log_view)
 
     def on_line_canvas_cursor_moved(self, event: LineCanvas.CursorMoved) -> None:
         if event.by_user and self.triaged is None:
@@ -126,7 +144,7 @@ class ViewActions:
 
     def on_findings_panel_chosen(self, event: FindingsPanel.Chosen) -> None:
         self.goto_gid(event.finding.gid)
-        self.log_view.focus()
+        self._focus(self.log_view)
 
     # --- keys: findings and the root cause ---------------------------------------------------
     def action_root_cause(self) -> None:
@@ -168,12 +186,15 @@ class ViewActions:
         if self.view_mode is Mode.SPLIT:
             self.notify("search works in the log view (s leaves the split)", timeout=3)
             return
-        self.query_one("#prompt", PromptBar).ask("search", "search /", self.search_query.text if self.search_query else "")
+        last = self.search_query.text if self.search_query else None
+        self.query_one("#prompt", PromptBar).ask("search", "search /", f"now /{last}/; empty: no search" if last else "")
 
     def action_filter(self) -> None:
         if self.view_mode is Mode.SPLIT:
             return
-        self.query_one("#prompt", PromptBar).ask("filter", "show lines matching &", self.filter.text if self.filter else "")
+        last = self.filter.text if self.filter else None
+        self.query_one("#prompt", PromptBar).ask("filter", "show lines matching &",
+                                                 f"now /{last}/; empty: every line" if last else "")
 
     def action_next_match(self) -> None:
         self._row_step(self.match_rows, 1, "match")
@@ -189,7 +210,7 @@ class ViewActions:
         self._apply_view(self.log_view.cursor_gid())
 
     def on_prompt_bar_answered(self, event: PromptBar.Answered) -> None:
-        self.log_view.focus()
+        self.screen.set_focus(self.log_view)
         if event.value is None:
             return
         text = event.value
@@ -199,7 +220,7 @@ class ViewActions:
             self.log_view.redraw()
             self.match_rows = np.empty(0, np.int64)
             if self.search_query is not None:
-                self._search_worker(self.log_view.view, self.search_query, True)
+                self._start_search(self.log_view.view, self.search_query, True)
             self._status()
         elif event.purpose == "filter":
             self.filter = Query.parse(text) if text else None
@@ -207,16 +228,20 @@ class ViewActions:
         elif event.purpose == "export":
             self._export(text)
 
+    def _start_search(self, view: View, query: Query, jump: bool) -> None:
+        self.searching = 0                  # the status says "searching" from now, not "0 matches"
+        self._search_worker(view, query, jump)
+
     @work(thread=True, exclusive=True, group="search", exit_on_error=False)
     def _search_worker(self, view: View, query: Query, jump: bool) -> None:
         worker = get_current_worker()
         store = self.store.snapshot()
-        self.searching = 0
         gids = matching_gids(store, view, query, lambda done, total: setattr(self, "searching", 100 * done // total),
                              lambda: worker.is_cancelled, self.search_cache)
         if gids is not None and not worker.is_cancelled:
             self.call_from_thread(self._install_matches, view, query, gids, jump)
 
+    @while_shown
     def _install_matches(self, view: View, query: Query, gids: np.ndarray, jump: bool) -> None:
         self.searching = None
         if view is not self.log_view.view or query is not self.search_query:
@@ -244,6 +269,7 @@ class ViewActions:
             filtered = view.subset(f"{view.title} · filter /{query.text}/", gids)
             self.call_from_thread(self._install_filter, filtered, query, keep_gid)
 
+    @while_shown
     def _install_filter(self, view: View, query: Query, keep_gid: int | None) -> None:
         if query is self.filter:
             self._show_view(view, keep_gid)
@@ -294,20 +320,23 @@ class ViewActions:
 
     @work(thread=True, exclusive=True, group="split", exit_on_error=False)
     def _split_worker(self, left: int, right: int) -> None:
+        self.aligning = True
         t = self.triaged
         store = self.store.snapshot()
-        rows = split_rows(t.stream_gids(left), t.stream_gids(right), store.read_text)
+        rows = split_rows(t.stream_gids(left), t.stream_gids(right), store.raw, store.read_text)
         if not get_current_worker().is_cancelled:
             self.call_from_thread(self._install_split, left, right, rows)
 
+    @while_shown
     def _install_split(self, left: int, right: int, rows) -> None:
+        self.aligning = False
         if self.view_mode is not Mode.SPLIT:
             return
         split = self.query_one("#split", SplitView)
         split.show(self.store, rows, (left, right), self.triaged.marks)
         names = self.triaged.rows
         self._titled(split, f"{names[left].label} │ {names[right].label}", f"aligned on {rows.basis.value}")
-        split.focus()
+        self._focus(split)
         self._status()
 
     # --- keys: follow, explain, export ---------------------------------------------------------
@@ -342,13 +371,13 @@ class ViewActions:
         stem = Path(self.inputs.names[0]).name.split(".")[0] or "run"
         if stem.startswith("<"):
             stem = "stdin"
-        self.query_one("#prompt", PromptBar).ask("export", "export Markdown to", f"{stem}.triage.md")
+        self.default_export = f"{stem}.triage.md"
+        self.query_one("#prompt", PromptBar).ask("export", "export Markdown to", f"{self.default_export} (enter)")
 
     def _export(self, path: str) -> None:
-        if not path.strip():
-            return
+        path = path.strip() or self.default_export
         try:
-            target = export_markdown(self.triaged.run.report, path.strip(), self.inputs.renames)
+            target = export_markdown(self.triaged.run.report, path, self.inputs.renames)
         except TriageError as exc:
             self.notify(str(exc), title="export failed", severity="error", markup=False)
             return

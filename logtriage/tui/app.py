@@ -15,7 +15,7 @@ from textual.widgets import Footer
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from logtriage.errors import TriageError
-from logtriage.tui.actions import ViewActions
+from logtriage.tui.actions import ViewActions, while_shown
 from logtriage.tui.model.align import merge_by_time
 from logtriage.tui.model.keys import KEYS
 from logtriage.tui.model.lines import extend_index
@@ -65,9 +65,12 @@ class TriageApp(ViewActions, App[None]):
         self.match_rows = np.empty(0, np.int64)
         self.search_cache: dict = {}               # query -> raw candidate lines of the whole input
         self.searching: int | None = None          # percent while a search runs
+        self.aligning = False                      # while the split view's rows are computed
+        self.default_export = "run.triage.md"
         self.following = follow
         self.steered = False                       # the user moved before the triage was ready
         self.merged_order: np.ndarray | None = None
+        self._log: LogView | None = None
         self._grew_at = 0.0
         self._triaged_size = 0
 
@@ -85,14 +88,15 @@ class TriageApp(ViewActions, App[None]):
 
     @property
     def log_view(self) -> LogView:
-        return self.query_one("#log", LogView)
+        return self._log
 
     def on_mount(self) -> None:
+        self._log = self.query_one("#log", LogView)
         self.store = open_store(self.inputs)
         self.query_one("#verdict", VerdictLine).waiting(self.inputs.names, "indexing…")
         self.query_one("#ranks", RankList).border_title = "streams (triage running)"
         self._show_view(self._base_view(), None)
-        self.log_view.focus()
+        self._focus(self.log_view)
         self.set_interval(0.25, self._tick)
         self.set_interval(POLL_S, self._poll_growth)
         self.call_after_refresh(self._load, True)       # the first screen first, then the work
@@ -120,6 +124,7 @@ class TriageApp(ViewActions, App[None]):
         if not worker.is_cancelled:
             self.call_from_thread(self._install_triage, run, size, first)
 
+    @while_shown
     def _install_index(self, indexed) -> None:
         keep = self.log_view.cursor_gid()
         where = self.store.locate(keep) if keep is not None else None
@@ -130,6 +135,7 @@ class TriageApp(ViewActions, App[None]):
         if self.view_mode is Mode.ALL:
             self._apply_view(keep)
 
+    @while_shown
     def _install_triage(self, run, size: int, first: bool) -> None:
         self._share_index(run)
         self.triaged = build_triaged(run, self.store)
@@ -147,7 +153,7 @@ class TriageApp(ViewActions, App[None]):
             self._merge_by_time()
         if first and not self.steered and t.root_stream is not None:
             self.action_root_cause()
-            self.log_view.focus()
+            self._focus(self.log_view)
         else:
             if first and t.root_gid is not None:
                 self.notify("triage ready: r jumps to the root cause", timeout=4)
@@ -163,6 +169,7 @@ class TriageApp(ViewActions, App[None]):
                 if np.array_equal(shared, source.offsets):
                     self.store.update(index, shared, source.size)
 
+    @while_shown
     def _load_failed(self, message: str) -> None:
         self.failure = message
         self.query_one("#verdict", VerdictLine).waiting(self.inputs.names, f"triage failed: {message}")
@@ -177,6 +184,7 @@ class TriageApp(ViewActions, App[None]):
         if order is not None and not worker.is_cancelled:
             self.call_from_thread(self._install_merge, order)
 
+    @while_shown
     def _install_merge(self, order: np.ndarray) -> None:
         if len(order) == self.store.total:
             self.merged_order = order
@@ -190,29 +198,33 @@ class TriageApp(ViewActions, App[None]):
                         severity="error", markup=False, timeout=10)
 
     # --- a growing file --------------------------------------------------------------------
+    @while_shown
     def _poll_growth(self) -> None:
         if self.progress.phase not in (Phase.READY, Phase.FAILED) or not (self.following or self.inputs.spools):
             return
         grew = False
+        keep = self.log_view.cursor_gid()
+        where = self.store.locate(keep) if keep is not None else None
         for index, source in enumerate(self.store.sources):
             offsets, size = extend_index(source)
             if size != source.size:
-                keep = self.log_view.cursor_gid()
                 self.store.update(index, offsets, size)
                 grew = True
         if grew:
+            keep = self.store.gid(where[0], where[1] + 1) if where else None
             self._grew_at = time.monotonic()
             if self.view_mode is Mode.ALL:
                 self._apply_view(None if self.following else keep)
             if self.following:
                 self.log_view.action_edge(1)
-        elif (self.following and self.store.size > self._triaged_size
+        elif ((self.following or self.inputs.spools) and self.store.size > self._triaged_size
               and time.monotonic() - self._grew_at > RETRIAGE_QUIET_S and self.progress.phase is Phase.READY):
             self._triaged_size = self.store.size
             self.progress.set(Phase.INDEXING)
             self._load(first=False)
 
     # --- the status line -----------------------------------------------------------------
+    @while_shown
     def _tick(self) -> None:
         phase = self.progress.phase
         if phase in (Phase.INDEXING, Phase.TRIAGE, Phase.READING) and self.triaged is None:
@@ -220,6 +232,7 @@ class TriageApp(ViewActions, App[None]):
             self.query_one("#verdict", VerdictLine).waiting(self.inputs.names, what)
         self._status()
 
+    @while_shown
     def _status(self) -> None:
         log = self.log_view
         view = log.view
@@ -227,7 +240,7 @@ class TriageApp(ViewActions, App[None]):
         parts = [f"{self.view_mode.value}"]
         if self.view_mode is Mode.SPLIT:
             split = self.query_one("#split", SplitView)
-            parts.append(f"row {split.cursor + 1:,}/{split.row_count():,}")
+            parts.append("aligning…" if self.aligning else f"row {split.cursor + 1:,}/{split.row_count():,}")
         elif gid is not None:
             source = self.store.source_of(gid)
             name = source.name if len(self.store.sources) > 1 else ""

@@ -18,8 +18,9 @@ import numpy as np
 
 from logtriage.analysis.timestamps import parse_stamp
 
-# The step counters `triage` reads for a rank's last step (logtriage/scan.py), as the viewer needs them.
-STEP = re.compile(r"\b(?:global[_ ])?(?:step|iter(?:ation)?)\b\s*[:=#]?\s*\[?\s*(\d{1,12})\b", re.IGNORECASE)
+# The step counters `triage` reads for a rank's last step (logtriage/scan.py), as the viewer needs
+# them: on raw bytes, so lining up two 150,000-line ranks decodes no line that has no step.
+STEP = re.compile(rb"\b(?:global[_ ])?(?:step|iter(?:ation)?)\b\s*[:=#]?\s*\[?\s*(\d{1,12})\b", re.IGNORECASE)
 MAX_TIME_MERGE_LINES = 2_000_000
 BLANK = -1
 
@@ -37,14 +38,16 @@ class SplitRows:
     basis: Basis
 
 
-def split_rows(left: np.ndarray, right: np.ndarray, text_of: Callable[[int], str]) -> SplitRows:
-    left_texts = [text_of(g) for g in left.tolist()]
-    right_texts = [text_of(g) for g in right.tolist()]
-    left_steps, right_steps = _steps(left_texts), _steps(right_texts)
+def split_rows(left: np.ndarray, right: np.ndarray, raw_of: Callable[[int], bytes],
+               text_of: Callable[[int], str]) -> SplitRows:
+    """`raw_of(gid)`: the line's bytes; `text_of(gid)`: its display text (for timestamps)."""
+    left_steps = _steps([raw_of(g) for g in left.tolist()])
+    right_steps = _steps([raw_of(g) for g in right.tolist()])
     if _known(left_steps) and _known(right_steps):
         rows = _by_segments(left.tolist(), left_steps, right.tolist(), right_steps)
         return _rows(rows, Basis.STEP)
-    left_times, right_times = _times(left_texts), _times(right_texts)
+    left_times = _times([text_of(g) for g in left.tolist()])
+    right_times = _times([text_of(g) for g in right.tolist()])
     if _known(left_times) and _known(right_times):
         return _rows(_interleave(left.tolist(), left_times, right.tolist(), right_times), Basis.TIME)
     left_order, right_order = [float(g) for g in left.tolist()], [float(g) for g in right.tolist()]
@@ -55,11 +58,11 @@ def _known(values: list) -> bool:
     return any(v is not None and v >= 0 for v in values)
 
 
-def _steps(texts: list[str]) -> list[int]:
+def _steps(lines: list[bytes]) -> list[int]:
     """The step each line belongs to (-1 before the first step line)."""
     current, out = -1, []
-    for text in texts:
-        if ("tep" in text or "ter" in text or "TEP" in text or "TER" in text) and len(text) < 2000:
+    for text in lines:
+        if (b"tep" in text or b"ter" in text or b"TEP" in text or b"TER" in text) and len(text) < 2000:
             m = STEP.search(text)
             if m:
                 current = int(m.group(1))

@@ -55,7 +55,8 @@ class StatusBar(Static):
 
 
 class PromptBar(Horizontal):
-    """A one-line question at the bottom: enter answers, escape cancels.
+    """A one-line question at the bottom: enter answers (an empty line is an answer too),
+    escape cancels.
 
     | Key | Action |
     | --- | --- |
@@ -65,11 +66,10 @@ class PromptBar(Horizontal):
 
     DEFAULT_CSS = """
     PromptBar { height: 1; display: none; background: $boost; }
-    PromptBar.-open { display: block; }
     PromptBar > Label { width: auto; padding: 0 1; color: $accent; text-style: bold; }
-    PromptBar > Input { width: 1fr; height: 1; border: none; padding: 0; }
+    PromptBar > Input, PromptBar > Input:focus { width: 1fr; height: 1; border: none; padding: 0 1; }
     """
-    BINDINGS = [Binding("escape", "cancel", "cancel", show=False)]
+    BINDINGS = [Binding("escape", "cancel", "cancel")]
 
     class Answered(Message):
         """`value` is None when the prompt was cancelled."""
@@ -87,24 +87,27 @@ class PromptBar(Horizontal):
         yield Label("")
         yield Input()
 
-    def ask(self, purpose: str, question: str, value: str = "") -> None:
+    def ask(self, purpose: str, question: str, hint: str = "") -> None:
+        """Open empty (typing never appends to an old answer); `hint` shows what enter on an
+        empty line means."""
         self.purpose = purpose
         self.query_one(Label).update(Text(question))
         field = self.query_one(Input)
-        field.value = value
-        self.add_class("-open")
-        self.screen.set_focus(field)        # now, not after the keys already typed are handled
+        field.value = ""
+        field.placeholder = hint
+        self.display = True                 # an inline style: visible (and focusable) at once,
+        self.screen.set_focus(field)        # so keys typed right after the prompt key land in it
 
     @property
     def is_open(self) -> bool:
-        return self.has_class("-open")
+        return bool(self.display)
 
     @on(Input.Submitted)
     def _submitted(self, event: Input.Submitted) -> None:
         event.stop()
-        self.remove_class("-open")
+        self.display = False
         self.post_message(self.Answered(self.purpose, event.value))
 
     def action_cancel(self) -> None:
-        self.remove_class("-open")
+        self.display = False
         self.post_message(self.Answered(self.purpose, None))
