@@ -53,3 +53,18 @@ def test_glued_lines_split_without_losing_text():
         parts = split_glued(line)
         assert len(parts) == 2 and "".join(parts) == line
     assert split_glued("[default0]:[rank0]: x") == ["[default0]:[rank0]: x"]
+
+
+def test_log_collector_timestamps_only_when_the_log_uses_them():
+    # `docker logs -t` / `kubectl logs --timestamps` / Beaker (sample_logs/public4/ace120_*)
+    lines = ["2023-05-26T16:48:07.093268664Z Traceback (most recent call last):",
+             "2023-05-26T16:48:07.093293614Z   File \"train.py\", line 840, in <module>",
+             "2023-05-26T16:48:07.093439184Z [rank1]: KeyError: 'target'"]
+    dialect = Dialect.detect(lines)
+    assert dialect.stamped
+    assert strip_prefixes(lines[0], dialect).text == "Traceback (most recent call last):"
+    third = strip_prefixes(lines[2], dialect)
+    assert (third.text, third.rank) == ("KeyError: 'target'", 1)
+    once = "2023-05-26T16:48:07Z started"
+    assert not Dialect.detect([once, "plain line", "another"]).stamped
+    assert strip_prefixes(once, PLAIN).text == once

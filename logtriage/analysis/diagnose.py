@@ -55,6 +55,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = warning_root(findings)
     if root is None and failures:
         root = _exit_only_root(failures, catalog)
+    if root is None:
+        root = _cut_traceback(scan, keys, catalog)
     verdict = Verdict.FAILED if root is not None else Verdict.OK
     notes: list[str] = []
     if root is None:
@@ -196,6 +198,28 @@ def _unrecognised_exception(scan: ScanResult, keys: list[StreamKey], catalog: Ca
                           block_id, scan.seq + 1, None, "stream", exception)
         return RootCause(rule, finding, finding.rank, (finding.rank,) if finding.rank is not None else (), 0.5,
                          (f"no rule knows this exception; {name} ended the traceback",))
+    return None
+
+
+def _cut_traceback(scan: ScanResult, keys: list[StreamKey], catalog: Catalog) -> RootCause | None:
+    """A worker's traceback that stops before its exception line: the run failed, with an error
+    the log does not hold (never an OK report for a log with a traceback in it)."""
+    for block_id in sorted(scan.blocks, reverse=True):
+        slot = scan.block_slots.get(block_id)
+        if scan.block_kinds.get(block_id) != "traceback" or scan.block_exceptions.get(block_id) or slot is None:
+            continue
+        stream = keys[scan.slots.final(slot)]
+        source, first, last = scan.blocks[block_id]
+        if stream.kind is StreamKind.LAUNCHER or last - first < 2:
+            continue
+        rule = catalog.get("python.traceback_cut") or _fallback_rule(
+            "python.traceback_cut", Category.UNKNOWN, "A traceback without its exception line")
+        finding = Finding(rule, {}, source, first, stream, stream.rank_or_none, "Traceback (most recent call last):",
+                          block_id, scan.seq + 1, None)
+        rank = finding.rank
+        return RootCause(rule, finding, rank, (rank,) if rank is not None else (), 0.3, (
+            f"the traceback at line {first} stops at line {last} before its exception line: "
+            "the error itself was cut from this log",))
     return None
 
 

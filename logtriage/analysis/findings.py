@@ -99,12 +99,18 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
     """Primary hit per line part, resolved to streams and ranks."""
     primary: dict[int, Hit] = {}
     extra: list[Hit] = []
+    failing: set[int] = set()     # line parts with an error that is not teardown among their hits
     for hit in scan.hits:
         best = primary.get(hit.seq)
         if best is None:
             primary[hit.seq] = hit
         elif hit.rule.role is Role.CAUSE_CONFIRMATION:
             extra.append(hit)
+        elif (_passive(best.rule) and not _passive(hit.rule) and hit.seq not in failing
+              and hit.rule.id != "python.exception"):
+            extra.append(hit)     # a whole paste on one line: the launcher's summary and the exit code in it
+        if not _passive(hit.rule):
+            failing.add(hit.seq)
     local_to_rank = {f.local_rank: f.rank for f in failures if f.local_rank is not None and f.rank is not None}
     entry_rank = {(f.source, f.line): f.rank for f in failures}
     pid_rank = {f.pid: f.rank for f in failures if f.pid is not None and f.rank is not None}
@@ -129,6 +135,11 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
                                 scan.block_collectives.get(hit.block_id, "")))
     findings = _best_per_traceback(findings, scan.block_kinds)
     return attribute_by_signal(findings, failures)
+
+
+def _passive(rule: Rule) -> bool:
+    """Teardown, context or a warning: what a line also says when it fails is still evidence."""
+    return rule.teardown or rule.role is Role.CONTEXT or rule.severity is not Severity.ERROR
 
 
 def _best_per_traceback(findings: list[Finding], block_kinds: dict[int, str]) -> list[Finding]:

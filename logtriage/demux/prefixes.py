@@ -1,5 +1,7 @@
 """Launcher prefixes, outermost first, each stripped once:
 
+    collector stamp     `2023-05-26T16:48:07.093268664Z `   (docker logs -t, kubectl logs --timestamps;
+                                                   only when the log uses it widely)
     srun --label        `3: `                     (the task: a rank, or a node when each task runs torchrun;
                                                    only when the log uses it widely)
     OpenMPI tag-output  `[1,3]<stdout>:`          (global rank)
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 _SRUN = re.compile(r"^ {0,6}(\d{1,7}): ")
+_COLLECTOR_STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:Z|[+-]\d\d:?\d\d) ")
 _MPI = re.compile(r"^\[(\d{1,9}),(\d{1,12})\]<(?:stdout|stderr|stddiag)>: ?")
 _HOST = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62}): ")
 _TEE = re.compile(r"^\[([A-Za-z_][A-Za-z_-]*?)(\d{1,7})\]:")
@@ -40,6 +43,7 @@ _EXCEPTION_NAME = re.compile(r"(?:Error|Exception|Warning|Interrupt|Exit|Failure
 class Dialect:
     """Which ambiguous prefix conventions this log uses, decided from a sample of its lines."""
     srun: bool = False
+    stamped: bool = False      # every line starts with the log collector's RFC 3339 time
     srun_nodes: bool = False   # srun tasks are nodes (one torchrun each), not ranks
     hosts: frozenset[str] = field(default_factory=frozenset)
 
@@ -48,6 +52,9 @@ class Dialect:
         lines = [line for line in sample if line.strip()]
         if not lines:
             return cls()
+        stamped = sum(1 for line in lines if _COLLECTOR_STAMP.match(line)) * 3 >= len(lines) * 2
+        if stamped:
+            lines = [_COLLECTOR_STAMP.sub("", line, count=1) for line in lines]
         srun_hits = sum(1 for line in lines if _SRUN.match(line))
         hosts = Counter()
         for line in lines:
@@ -61,7 +68,7 @@ class Dialect:
         floor = max(5, len(lines) // 20)
         chosen = frozenset(h for h, n in hosts.items() if n >= floor and _host_like(h))
         srun = srun_hits * 3 >= len(lines) and srun_hits >= 3
-        return cls(srun=srun, hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines))
+        return cls(srun=srun, stamped=stamped, hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines))
 
 
 _AGENT_LINE = re.compile(r"^[IWEC]\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ \S*distributed/(?:run|elastic|launcher)")
@@ -106,6 +113,11 @@ class Prefixes:
 
 def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
     text, rank, local, host, layers = line, None, None, None, []
+    if dialect.stamped:
+        m = _COLLECTOR_STAMP.match(text)
+        if m:
+            text = text[m.end():]
+            layers.append("stamp")
     if dialect.srun:
         m = _SRUN.match(text)
         if m:

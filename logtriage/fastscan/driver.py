@@ -63,7 +63,7 @@ def _scan_source(result, source, index, matcher, prefilter, pool, progress) -> N
     head = head_bytes.split(b"\n", DIALECT_SAMPLE)[:DIALECT_SAMPLE] if head_bytes else []
     scanner = LineScanner(result, source, index, matcher, Dialect.detect(clean(decode(raw)) for raw in head))
     dialect = scanner.assigner.dialect
-    if dialect.srun or dialect.hosts:                   # launcher prefixes the kernel does not parse
+    if dialect.srun or dialect.hosts or dialect.stamped:   # prefixes the kernel does not parse
         _exact(scanner, _file_chunks(source) if path is not None else _chain([first] if first else [], chunks))
     elif path is not None:
         _file_ranges(scanner, path, pool, prefilter, progress)
