@@ -15,7 +15,8 @@ from textual.widgets import Footer
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from logtriage.errors import TriageError
-from logtriage.tui.actions import ViewActions, while_shown
+from logtriage.tui.navigate import ViewActions, while_shown
+from logtriage.tui.textkeys import TextActions
 from logtriage.tui.model.align import merge_by_time
 from logtriage.tui.model.keys import KEYS
 from logtriage.tui.model.lines import extend_index
@@ -34,7 +35,7 @@ POLL_S = 0.5
 RETRIAGE_QUIET_S = 2.0
 
 
-class TriageApp(ViewActions, App[None]):
+class TriageApp(ViewActions, TextActions, App[None]):
     """Browse a failed run rank by rank."""
 
     TITLE = "triage tui"
