@@ -8,10 +8,12 @@ from dataclasses import dataclass, replace
 from logtriage.analysis.childfailed import ChildFailure, parse_child_failures
 from logtriage.analysis.environment import Environment, collect_environment
 from logtriage.analysis.findings import Finding, resolve_findings
+from logtriage.analysis.hangs import (fallback_rule, hang_from_progress, stalled_in_nccl_init, waiting,
+                                     world_incomplete)
 from logtriage.analysis.rootcause import (ChainLink, ChainRole, RankFacts, RootCause, Verdict, build_chain,
-                                          choose_root, missing_from_barrier, warning_root)
+                                          choose_root, warning_root)
 from logtriage.catalog.loader import Catalog
-from logtriage.catalog.rule import Category, Role, Rule, Severity
+from logtriage.catalog.rule import Category
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.scan import ScanResult, SlotStats
 
@@ -59,10 +61,16 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = _cut_traceback(scan, keys, catalog)
     verdict = Verdict.FAILED if root is not None else Verdict.OK
     notes: list[str] = []
+    if root is None or root.rule.category is Category.EXTERNAL_STOP:
+        # processes that never formed the group explain a start-up hang, or a job stopped during one
+        incomplete = world_incomplete(findings, catalog, root)
+        if incomplete is not None:
+            verdict = Verdict.FAILED if root is not None else Verdict.HUNG
+            root = incomplete
     if root is None:
-        root = _waiting(findings, facts)
+        root = waiting(findings, facts)
         if root is None and not scan.unreadable:   # output that stops where the input broke off says nothing
-            root = _hang_from_progress(facts, catalog) or _stalled_in_nccl_init(findings, facts, catalog)
+            root = hang_from_progress(facts, catalog) or stalled_in_nccl_init(scan, findings, facts, catalog)
         if root is not None:
             verdict = Verdict.HUNG
     if scan.unreadable:
@@ -107,60 +115,12 @@ def _rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure],
     return RankFacts(frozenset(known), exit_codes, frozenset(completed), last_step)
 
 
-def _waiting(findings: list[Finding], facts: RankFacts) -> RootCause | None:
-    """Nothing failed, but ranks say they are waiting for others (a start-up barrier short of
-    workers): the run hangs, and the ranks that do not say so are the stuck ones."""
-    waiting = [f for f in findings if f.category is Category.HANG and f.rule.severity is Severity.WARNING]
-    if not waiting:
-        return None
-    first = waiting[0]
-    world = max((int(f.captures["world_size"]) for f in waiting if f.captures.get("world_size", "").isdigit()),
-                default=0)
-    arrived = max((int(f.captures["worker_count"]) for f in waiting if f.captures.get("worker_count", "").isdigit()),
-                  default=0)
-    missing = missing_from_barrier(waiting)
-    reasons = [f"{arrived or len(waiting)} of {world or '?'} ranks reached the barrier and wait; nothing failed"]
-    if missing and len(missing) <= 8:
-        reasons.append(f"rank(s) {', '.join(map(str, missing))} never arrived: look at what they were doing")
-    rank = missing[0] if len(missing) == 1 else None
-    return RootCause(first.rule, first, rank, tuple(missing), 0.45, tuple(reasons))
-
-
-def _hang_from_progress(facts: RankFacts, catalog: Catalog) -> RootCause | None:
-    """No error at all, but the ranks' progress stopped unevenly: some rank is stuck."""
-    steps = facts.last_step
-    if len(steps) < 2:
-        return None
-    low, high = min(steps.values()), max(steps.values())
-    if high - low < 2:
-        return None
-    behind = tuple(sorted(r for r, s in steps.items() if s == low))
-    rule = catalog.get("hang.no_progress") or _fallback_rule("hang.no_progress", Category.HANG,
-                                                            "Output stopped: no error, ranks' progress diverged")
-    return RootCause(rule, None, behind[0] if len(behind) == 1 else None, behind, 0.45, (
-        f"no error line; rank(s) {', '.join(map(str, behind))} stopped at step {low} while others reached step {high}",))
-
-
-def _stalled_in_nccl_init(findings: list[Finding], facts: RankFacts, catalog: Catalog) -> RootCause | None:
-    """No error and no progress, and NCCL's INFO lines start but no communicator completes: the
-    output stopped while the ranks were connecting."""
-    init = [f for f in findings if f.rule.id == "context.nccl_init_progress"]
-    started = [f for f in init if f.captures.get("bootstrap_if")]
-    if not started or facts.last_step or any(f.captures.get("complete") for f in init):
-        return None
-    rule = catalog.get("hang.nccl_init_stalled") or _fallback_rule(
-        "hang.nccl_init_stalled", Category.HANG, "Output stopped while NCCL was setting up its communicator")
-    return RootCause(rule, started[-1], None, (), 0.4, (
-        f"NCCL started in {len(started)} process(es) but no communicator reached `Init COMPLETE`, "
-        "and nothing (no step, no error, no exit) came after",))
-
-
 def _exit_only_root(failures: list[ChildFailure], catalog: Catalog) -> RootCause | None:
     own = [f for f in failures if f.exitcode not in (0, -15)]
     if not own:
         return None
     first = next((f for f in own if f.is_root_cause), own[0])
-    rule = catalog.get("signal.exit_nonzero") or _fallback_rule("signal.exit_nonzero", Category.UNKNOWN,
+    rule = catalog.get("signal.exit_nonzero") or fallback_rule("signal.exit_nonzero", Category.UNKNOWN,
                                                                "A worker exited with an error code and left no message")
     return RootCause(rule, None, first.rank, (first.rank,) if first.rank is not None else (), 0.3,
                      (f"rank {first.rank} exited with code {first.exitcode}; its output holds no error",))
@@ -192,7 +152,7 @@ def _unrecognised_exception(scan: ScanResult, keys: list[StreamKey], catalog: Ca
             continue
         source, line = scan.block_exception_lines[block_id]
         name = exception.split(":", 1)[0].strip()
-        rule = catalog.get("python.exception") or _fallback_rule("python.exception", Category.PYTHON_EXCEPTION,
+        rule = catalog.get("python.exception") or fallback_rule("python.exception", Category.PYTHON_EXCEPTION,
                                                                 "Unhandled Python exception")
         finding = Finding(rule, {"exception_type": name}, source, line, stream, stream.rank_or_none, exception,
                           block_id, scan.seq + 1, None, "stream", exception)
@@ -212,7 +172,7 @@ def _cut_traceback(scan: ScanResult, keys: list[StreamKey], catalog: Catalog) ->
         source, first, last = scan.blocks[block_id]
         if stream.kind is StreamKind.LAUNCHER or last - first < 2:
             continue
-        rule = catalog.get("python.traceback_cut") or _fallback_rule(
+        rule = catalog.get("python.traceback_cut") or fallback_rule(
             "python.traceback_cut", Category.UNKNOWN, "A traceback without its exception line")
         finding = Finding(rule, {}, source, first, stream, stream.rank_or_none, "Traceback (most recent call last):",
                           block_id, scan.seq + 1, None)
@@ -221,10 +181,6 @@ def _cut_traceback(scan: ScanResult, keys: list[StreamKey], catalog: Catalog) ->
             f"the traceback at line {first} stops at line {last} before its exception line: "
             "the error itself was cut from this log",))
     return None
-
-
-def _fallback_rule(rule_id: str, category: Category, title: str) -> Rule:
-    return Rule(id=rule_id, title=title, category=category, role=Role.ROOT_CANDIDATE, patterns=(), derived=True)
 
 
 def _child_failed_notes(failures: list[ChildFailure], root: RootCause | None) -> list[str]:

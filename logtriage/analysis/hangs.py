@@ -1,0 +1,107 @@
+"""Verdicts for runs without an error line: hangs (ranks waiting at a barrier, progress that
+stopped unevenly, output that stops in or right after NCCL set-up) and start-ups whose processes
+never formed the world (ranks announced twice or never)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from logtriage.analysis.findings import Finding
+from logtriage.analysis.rootcause import RankFacts, RootCause, missing_from_barrier
+from logtriage.catalog.loader import Catalog
+from logtriage.catalog.rule import Category, Role, Rule, Severity
+from logtriage.scan import ScanResult
+
+
+def waiting(findings: list[Finding], facts: RankFacts) -> RootCause | None:
+    """Nothing failed, but ranks say they are waiting for others (a start-up barrier short of
+    workers): the run hangs, and the ranks that do not say so are the stuck ones."""
+    waiting = [f for f in findings if f.category is Category.HANG and f.rule.severity is Severity.WARNING]
+    if not waiting:
+        return None
+    first = waiting[0]
+    world = max((int(f.captures["world_size"]) for f in waiting if f.captures.get("world_size", "").isdigit()),
+                default=0)
+    arrived = max((int(f.captures["worker_count"]) for f in waiting if f.captures.get("worker_count", "").isdigit()),
+                  default=0)
+    missing = missing_from_barrier(waiting)
+    reasons = [f"{arrived or len(waiting)} of {world or '?'} ranks reached the barrier and wait; nothing failed"]
+    if missing and len(missing) <= 8:
+        reasons.append(f"rank(s) {', '.join(map(str, missing))} never arrived: look at what they were doing")
+    rank = missing[0] if len(missing) == 1 else None
+    return RootCause(first.rule, first, rank, tuple(missing), 0.45, tuple(reasons))
+
+
+def hang_from_progress(facts: RankFacts, catalog: Catalog) -> RootCause | None:
+    """No error at all, but the ranks' progress stopped unevenly: some rank is stuck."""
+    steps = facts.last_step
+    if len(steps) < 2:
+        return None
+    low, high = min(steps.values()), max(steps.values())
+    if high - low < 2:
+        return None
+    behind = tuple(sorted(r for r, s in steps.items() if s == low))
+    rule = catalog.get("hang.no_progress") or fallback_rule("hang.no_progress", Category.HANG,
+                                                            "Output stopped: no error, ranks' progress diverged")
+    return RootCause(rule, None, behind[0] if len(behind) == 1 else None, behind, 0.45, (
+        f"no error line; rank(s) {', '.join(map(str, behind))} stopped at step {low} while others reached step {high}",))
+
+
+def stalled_in_nccl_init(scan: ScanResult, findings: list[Finding], facts: RankFacts,
+                          catalog: Catalog) -> RootCause | None:
+    """No error and no progress, and the output stops during NCCL's set-up (INFO lines start, no
+    communicator completes) or right after it (every one completed, nothing follows)."""
+    init = [f for f in findings if f.rule.id == "context.nccl_init_progress"]
+    started = [f for f in init if f.captures.get("bootstrap_if")]
+    completed = [f for f in init if f.captures.get("complete")]
+    if facts.last_step or not init:
+        return None
+    last = max(init, key=lambda f: (f.source, f.line))
+    if completed and last.source == len(scan.indexes) - 1 and len(scan.indexes[last.source].offsets) - last.line <= 50:
+        rule = catalog.get("hang.after_nccl_init") or fallback_rule(
+            "hang.after_nccl_init", Category.HANG, "Output stopped right after NCCL built its communicators")
+        return RootCause(rule, completed[-1], None, (), 0.35, (
+            f"{len(completed)} communicator(s) reached `Init COMPLETE` within the log's last 50 lines, "
+            "and no step, error or exit came after",))
+    if not started or completed:
+        return None
+    rule = catalog.get("hang.nccl_init_stalled") or fallback_rule(
+        "hang.nccl_init_stalled", Category.HANG, "Output stopped while NCCL was setting up its communicator")
+    return RootCause(rule, started[-1], None, (), 0.4, (
+        f"NCCL started in {len(started)} process(es) but no communicator reached `Init COMPLETE`, "
+        "and nothing (no step, no error, no exit) came after",))
+
+
+def world_incomplete(findings: list[Finding], catalog: Catalog, stop: RootCause | None) -> RootCause | None:
+    """Processes announced their global ranks (Lightning's MEMBER lines) and the ranks do not
+    make up the world: repeated or missing ranks keep init_process_group waiting."""
+    members = [f for f in findings if f.rule.id == "launcher.lightning_member" and f.rank is not None]
+    worlds = {int(f.captures["world"]) for f in members if f.captures.get("world", "").isdigit()}
+    if not members or len(worlds) != 1:
+        return None
+    world = worlds.pop()
+    claimed = Counter(f.rank for f in members)
+    repeated = sorted(r for r, n in claimed.items() if n > 1)
+    missing = sorted(set(range(world)) - claimed.keys()) if world <= 65536 else []
+    if not repeated and not missing:
+        return None
+    rule = catalog.get("launcher.world_incomplete") or fallback_rule(
+        "launcher.world_incomplete", Category.LAUNCH_USAGE, "The processes' global ranks do not make up the world")
+    first = next(f for f in members if f.rank in repeated) if repeated else members[0]
+    reasons = [f"a world of {world}: {len(claimed)} distinct global rank(s) announced"]
+    if repeated:
+        reasons.append(f"rank(s) {_span(repeated)} announced more than once")
+    if missing:
+        reasons.append(f"rank(s) {_span(missing)} never announced")
+    if stop is not None:
+        reasons.append(f"then the job was stopped ({stop.rule.id}) while the others waited")
+    return RootCause(rule, first, None, tuple(repeated), 0.5, tuple(reasons))
+
+
+def _span(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 2 and ranks[-1] - ranks[0] == len(ranks) - 1 \
+        else ", ".join(map(str, ranks[:8])) + (" ..." if len(ranks) > 8 else "")
+
+
+def fallback_rule(rule_id: str, category: Category, title: str) -> Rule:
+    return Rule(id=rule_id, title=title, category=category, role=Role.ROOT_CANDIDATE, patterns=(), derived=True)
