@@ -8,10 +8,24 @@ from dataclasses import dataclass, replace
 from logtriage.analysis.childfailed import ChildFailure, parse_child_failures
 from logtriage.analysis.environment import Environment, collect_environment
 from logtriage.analysis.findings import Finding, resolve_findings
-from logtriage.analysis.hangs import (fallback_rule, hang_from_progress, stalled_in_nccl_init, waiting,
-                                     world_incomplete)
-from logtriage.analysis.rootcause import (ChainLink, ChainRole, RankFacts, RootCause, Verdict, build_chain,
-                                          choose_root, warning_root)
+from logtriage.analysis.hangs import (
+    fallback_rule,
+    hang_from_progress,
+    stalled_in_nccl_init,
+    waiting,
+    world_incomplete,
+)
+from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid
+from logtriage.analysis.rootcause import (
+    ChainLink,
+    ChainRole,
+    RankFacts,
+    RootCause,
+    Verdict,
+    build_chain,
+    choose_root,
+    warning_root,
+)
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
 from logtriage.demux.streams import StreamKey, StreamKind
@@ -45,7 +59,7 @@ class Diagnosis:
 def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     keys = scan.slots.resolve(scan.facts.pid_to_rank(), scan.facts.attempt_of_segment)
     failures = parse_child_failures(scan.launcher_lines)
-    findings = resolve_findings(scan, keys, failures)
+    findings = attribute_by_nccl_pid(resolve_findings(scan, keys, failures))
     stream_stats = _merge_stats(scan, keys)
     facts = _rank_facts(stream_stats, failures, findings, scan.world_size)
     root = choose_root(findings, facts)

@@ -51,7 +51,7 @@ class Finding:
     block_id: int
     seq: int
     stamp: Stamp | None
-    attributed_by: str = "stream"     # stream | launcher | capture | signal | exit
+    attributed_by: str = "stream"     # stream | launcher | capture | signal | exit | nccl
     block_exception: str = ""         # the exception line of the traceback this line is in
     collective: str = ""              # the c10d function that traceback was in (all_reduce, barrier)
 
