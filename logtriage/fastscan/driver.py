@@ -156,10 +156,12 @@ def _exact(scanner: LineScanner, chunks) -> None:
             offset += len(raw) + 1
 
 
-def _analyse(data, rank_hint: int, prefilter=None) -> ChunkLines:
+def _analyse(data, rank_hint: int, prefilter=None, offset: int = 0, size: int | None = None) -> ChunkLines:
+    """The per-line arrays of `data[offset:offset + size]` (whole lines), without copying it."""
     from logtriage.fastscan import kernel
     prefilter = prefilter or _PREFILTER
-    buf = np.frombuffer(data, dtype=np.uint8)
+    size = len(data) - offset if size is None else size
+    buf = np.frombuffer(data, dtype=np.uint8, count=size, offset=offset)
     n = kernel.count_lines(buf)
     starts = np.empty(n, dtype=np.int64)
     messages = np.empty(n, dtype=np.int32)
@@ -168,7 +170,8 @@ def _analyse(data, rank_hint: int, prefilter=None) -> ChunkLines:
     cuts = np.empty(n, dtype=np.int32)
     ranks2 = np.empty(n, dtype=np.int64)
     kernel.classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2)
-    candidates = prefilter.candidate_lines(data if isinstance(data, bytes) else bytes(data), starts)
+    whole = data if isinstance(data, bytes) else bytes(data)
+    candidates = prefilter.candidate_lines(whole, starts, offset, size)
     flags[candidates] |= CANDIDATE
     return ChunkLines(starts, messages, ranks, flags, cuts, ranks2)
 
@@ -197,7 +200,7 @@ def _analyse_range(path: str, low: int, high: int, rank_hint: int) -> tuple[int,
             end = position + found if found >= 0 else -1
             position += len(more)
         stop = end + 1 if end >= 0 else position
-        lines = _analyse(buf[first:stop], rank_hint)
+        lines = _analyse(buf, rank_hint, offset=first, size=min(stop, len(buf)) - first)
         if overlong and len(lines.flags):
             lines.flags[-1] |= NOT_PLAIN   # analysed in part: the merge reads it back (capped) and matches it
     return base + first, stop - first, lines

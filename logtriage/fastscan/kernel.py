@@ -597,3 +597,4 @@ def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
         ranks2[n] = rank2
         line_start = ends[n] + 1
     return count
+

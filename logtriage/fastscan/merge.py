@@ -77,8 +77,8 @@ class ChunkMerger:
         ends = np.empty(n, dtype=np.int64)
         ends[:-1] = starts[1:] - 1
         ends[-1] = len(data) - 1 if data[-1:] == b"\n" else len(data)
-        not_plain = (lines.flags & (NOT_PLAIN | CANDIDATE)) != 0
-        slow = not_plain.copy()
+        not_plain = (lines.flags & NOT_PLAIN) != 0
+        slow = not_plain | ((lines.flags & CANDIDATE) != 0)   # a plain line a rule may match: matched
         slow[1:] |= not_plain[:-1]      # the line after a special one: it may settle a pending state
         slow[:-1] |= not_plain[1:]      # the line before one: it may open a block the special line continues
         slow[-1] = True                 # the next chunk's first line is not known here
@@ -172,7 +172,7 @@ def _progress_lines(scanner: LineScanner, data, first_number: int, lines: ChunkL
     keys = np.concatenate([one * 2, two * 2 + 1])            # (line, part) in input order
     slots = np.concatenate([slot_of[one], last_of[two]])
     latest = np.full(int(slots.max()) + 1, -1, dtype=np.int64)
-    np.maximum.at(latest, slots, keys)
+    np.maximum.at(latest, slots, keys)   # numpy, not numba: the merging process never loads numba (~100 MB)
     for slot in np.flatnonzero(latest >= 0).tolist():
         if _note_progress(scanner, data, first_number, lines, ends, slot, int(latest[slot])):
             continue

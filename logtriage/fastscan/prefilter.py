@@ -118,27 +118,28 @@ class Prefilter:
         self.whole_count = len(whole)
         self.hyperscan = _hyperscan_database(sorted(literals), sorted(folded), whole)
 
-    def candidate_lines(self, buf: bytes, starts: np.ndarray) -> np.ndarray:
-        """Indices (into `starts`) of the lines holding a match."""
+    def candidate_lines(self, buf: bytes, starts: np.ndarray, offset: int = 0, size: int | None = None) -> np.ndarray:
+        """Indices (into `starts`, relative to `offset`) of the lines of buf[offset:offset + size]
+        holding a match."""
+        end = len(buf) if size is None else offset + size
         if self.hyperscan is not None:
-            return self._hyperscan_lines(buf, starts)
+            return self._hyperscan_lines(buf if (offset, end) == (0, len(buf)) else memoryview(buf)[offset:end], starts)
         found = []
         search = self.regex.search
-        size = len(buf)
-        pos = 0
-        while pos < size:
-            m = search(buf, pos)
+        pos = offset
+        while pos < end:
+            m = search(buf, pos, end)
             if m is None:
                 break
             at = m.start()
-            found.append(at)
-            nl = buf.find(b"\n", at)
-            pos = size if nl < 0 else nl + 1
+            found.append(at - offset)
+            nl = buf.find(b"\n", at, end)
+            pos = end if nl < 0 else nl + 1
         if not found:
             return np.empty(0, dtype=np.int64)
         return np.searchsorted(starts, np.asarray(found, dtype=np.int64), side="right") - 1
 
-    def _hyperscan_lines(self, buf: bytes, starts: np.ndarray) -> np.ndarray:
+    def _hyperscan_lines(self, buf, starts: np.ndarray) -> np.ndarray:
         """Hyperscan reports the end of every match, overlapping ones included, so every match a
         rule could make inside one line ends inside that line and marks it."""
         ends: list[int] = []
