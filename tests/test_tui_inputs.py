@@ -121,6 +121,30 @@ async def test_a_log_dir_folder_lists_each_rank_from_its_files():
 
 
 @drive
+async def test_per_rank_files_merge_by_timestamp(tmp_path):
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    write_log(folder / "rank0.log", ["2026-11-30 10:00:01,000 step 1", "2026-11-30 10:00:03,000 step 2",
+                                     "  continued without a stamp", "2026-11-30 10:00:05,000 step 3"])
+    write_log(folder / "rank1.log", ["2026-11-30 10:00:02,000 step 1", "2026-11-30 10:00:04,000 step 2",
+                                     "RuntimeError: boom"])
+    app = make_app(str(folder))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert [r.label for r in app.query_one(RankList).streams][:2] == ["rank 0", "rank 1"]
+        assert stream_label(app) == "rank 1" and cursor_line(app) == 3
+        await pilot.press("m")
+        await settle(app, pilot)
+        view = app.log_view.view
+        assert not view.ordered and view.title == "all streams, by time"
+        shown = [(app.store.source_of(view.gid(r)).name.rsplit("/", 1)[-1], app.store.line_number(view.gid(r)))
+                 for r in range(view.count)]
+        assert shown == [("rank0.log", 1), ("rank1.log", 1), ("rank0.log", 2), ("rank0.log", 3),
+                         ("rank1.log", 2), ("rank1.log", 3), ("rank0.log", 4)]
+        assert [app.log_view.stream_label(view.gid(r))[0] for r in range(3)] == ["r0", "r1", "r0"]
+
+
+@drive
 async def test_first_screen_shows_the_first_lines_before_the_triage_ends(monkeypatch):
     gate = threading.Event()
     real = session.triage
@@ -146,6 +170,24 @@ async def test_first_screen_shows_the_first_lines_before_the_triage_ends(monkeyp
         assert cursor_line(app) == 3                      # the user moved first: no jump
         await pilot.press("r")
         assert cursor_line(app) == 24
+
+
+SAMPLES = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("sample_logs/*/*.log"))[::20]
+
+
+@pytest.mark.parametrize("path", SAMPLES)
+@drive
+async def test_every_kind_of_sample_opens_on_its_root_cause_line(path):
+    app = make_app(path)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        rc = app.triaged.run.report.root_cause
+        if rc is not None and rc.line is not None:
+            assert app.store.source_of(app.log_view.cursor_gid()).name == rc.source
+            assert cursor_line(app) == rc.line and rc.line in dict(visible(app))
+        for key in ("m", "s", "s", "x", "e", "r"):
+            await pilot.press(key)
+            await settle(app, pilot)
 
 
 def test_help_lists_every_key_and_the_app_binds_them(capsys):

@@ -72,6 +72,7 @@ class TriageApp(ViewActions, TextActions, App[None]):
         self.steered = False                       # the user moved before the triage was ready
         self.merged_order: np.ndarray | None = None
         self._log: LogView | None = None
+        self._widgets: tuple = ()
         self._grew_at = 0.0
         self._triaged_size = 0
 
@@ -93,6 +94,8 @@ class TriageApp(ViewActions, TextActions, App[None]):
 
     def on_mount(self) -> None:
         self._log = self.query_one("#log", LogView)
+        self._widgets = tuple(self.query_one(f"#{name}") for name in
+                              ("log", "split", "ranks", "findings", "verdict", "status", "prompt"))
         self.store = open_store(self.inputs)
         self.query_one("#verdict", VerdictLine).waiting(self.inputs.names, "indexing…")
         self.query_one("#ranks", RankList).border_title = "streams (triage running)"

@@ -26,11 +26,12 @@ OTHER_LABELS = {"launcher": ("lnch", "grey62"), "banner": ("bnr", "grey50"), "pr
 
 
 def while_shown(method):
-    """For callbacks of timers and workers: nothing to do once the app's widgets are gone."""
+    """For callbacks of timers and workers: nothing to do once the app's widgets are going
+    (they are removed one by one when the app ends)."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        log = getattr(self, "_log", None)
-        if log is None or not log.is_attached:
+        widgets = getattr(self, "_widgets", ())
+        if not widgets or not all(w.is_attached for w in widgets):
             return None
         return method(self, *args, **kwargs)
     return run
