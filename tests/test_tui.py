@@ -161,6 +161,25 @@ async def test_filter_keeps_matching_lines_and_an_empty_pattern_restores_the_vie
 
 
 @drive
+async def test_a_filter_follows_rank_changes_and_a_jump_to_a_hidden_line_drops_it():
+    app = make_app(NP4)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await _type(pilot, app, "ampersand", "loss")
+        app.query_one(RankList).focus()
+        await pilot.press("up")                                       # rank 1, still filtered
+        await settle(app, pilot)
+        view = app.log_view.view
+        assert stream_label(app) == "rank 1" and app.filter is not None
+        assert [app.store.line_number(view.gid(r)) for r in range(view.count)] == [6, 11, 32, 35]
+        panel = app.query_one(FindingsPanel)
+        panel.focus()
+        await pilot.press("down", "enter")                            # gloo error at line 43: no "loss"
+        await settle(app, pilot)
+        assert app.filter is None and cursor_line(app) == 43
+
+
+@drive
 async def test_errors_only_shows_findings_and_their_tracebacks():
     app = make_app(NP4)
     async with app.run_test(size=SIZE) as pilot:

@@ -3,6 +3,7 @@ a --log-dir folder, a log whose triage is still running; and its command line.""
 
 from __future__ import annotations
 
+import gzip
 import os
 import subprocess
 import sys
@@ -103,6 +104,20 @@ async def test_standard_input_is_spooled_and_exported_as_stdin(tmp_path):
     text = target.read_text()
     assert "| where | &lt;stdin&gt;:24 |" in text
     assert spool.path not in text and not os.path.exists(spool.path)
+
+
+@drive
+async def test_a_gzip_log_is_read_through_a_decompressed_spool(tmp_path):
+    packed = tmp_path / "run.log.gz"
+    packed.write_bytes(gzip.compress((ROOT / NP4).read_bytes()))
+    app = make_app(str(packed))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        spool = app.inputs.spools[0].path
+        assert app.store.sources[0].name == str(packed) and app.store.sources[0].path == spool
+        assert stream_label(app) == "rank 2" and (24, "KeyError: 'target'") in visible(app)
+    app.inputs.close()
+    assert not os.path.exists(spool)
 
 
 @drive

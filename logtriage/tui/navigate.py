@@ -89,19 +89,20 @@ class ViewActions:
             return f"r{key.rank}" + (f".{key.attempt}" if key.attempt else ""), PALETTE[key.rank % len(PALETTE)]
         return OTHER_LABELS.get(key.kind.value, ("", ""))
 
-    def _show_stream(self, stream: int | None, gid: int | None) -> None:
-        """Select a stream in the rank list and show it, the cursor on `gid` (filters that hide
-        that line are dropped)."""
+    def _show_stream(self, stream: int | None, gid: int | None, must_show: bool = True) -> None:
+        """Select a stream in the rank list and show it, the cursor on `gid`. `must_show`: a jump
+        to that very line (a finding, the root cause), so a filter or errors-only that would hide
+        it is dropped; otherwise (choosing a rank) they stay and the cursor goes where it can."""
         self._leave_split()
         self.view_mode = Mode.STREAM if stream is not None else Mode.ALL
         self.stream = stream
         if stream is not None:
             self.query_one("#ranks", RankList).select(stream)
         view = self._base_view()
-        if gid is not None and view.row_of(gid) is None:
+        if must_show and gid is not None and view.row_of(gid) is None:
             self.errors_only = False
             view = self._base_view()
-        if self.filter is not None and gid is not None:
+        if must_show and self.filter is not None and gid is not None and not self.filter.matches(self.store.text(gid)):
             self.filter = None
             self.notify("filter cleared to show that line", timeout=3)
         if self.filter is not None:
@@ -129,7 +130,7 @@ class ViewActions:
             gids = t.stream_gids(event.stream)
             errors = [g for g in gids[np.isin(gids, t.errors)].tolist() if t.marks.get(g) not in (None, Mark.CONTEXT)]
             target = errors[0] if errors else (int(gids[-1]) if len(gids) else None)
-            self._show_stream(event.stream, target)
+            self._show_stream(event.stream, target, must_show=False)
         if event.activated:
             self._focus(self.log_view)
 
