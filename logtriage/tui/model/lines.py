@@ -37,9 +37,13 @@ class LineSource:
     fd: int
 
 
-def line_starts(fd: int, size0: int, size1: int, progress: Callable[[int], None] | None = None) -> np.ndarray:
-    """Starts of the lines beginning in [size0, size1): offset 0, and one past every newline."""
-    parts = [np.zeros(1, np.int64)] if size0 == 0 < size1 else []
+def line_starts(fd: int, size0: int, size1: int, progress: Callable[[int], None] | None = None,
+                before: np.ndarray | None = None) -> np.ndarray:
+    """Starts of the lines beginning in [size0, size1): offset 0, and one past every newline;
+    after `before` (the starts already known), joined in one copy."""
+    parts = [before] if before is not None and len(before) else []
+    if size0 == 0 < size1:
+        parts.append(np.zeros(1, np.int64))
     pos = max(size0 - 1, 0)
     while pos < size1:
         buf = os.pread(fd, min(CHUNK, size1 - pos), pos)
@@ -80,7 +84,7 @@ def extend_index(source: LineSource, progress: Callable[[int], None] | None = No
         return line_starts(source.fd, 0, size, progress), size
     if size == source.size:
         return source.offsets, size
-    return np.concatenate((source.offsets, line_starts(source.fd, source.size, size, progress))), size
+    return line_starts(source.fd, source.size, size, progress, before=source.offsets), size
 
 
 class LineStore:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:                     # the library loads in the worker, after t
 
 MAX_BLOCK_LINES = 200
 KEEP_STREAMS = 6
+ID_BLOCK = 1 << 20
 _KIND_ORDER = {StreamKind.RANK: 0, StreamKind.LAUNCHER: 1, StreamKind.BANNER: 2, StreamKind.PROBE: 3,
                StreamKind.UNATTRIBUTED: 4}
 
@@ -106,13 +107,7 @@ def build_triaged(run: "TriageRun", store: LineStore) -> Triaged:
             row_of_key[key] = len(summaries) + len(extra)
             extra.append(key)
         lut[slot] = row_of_key[key]
-    stream_of_line = np.full(store.total, -1, np.int16 if len(row_of_key) < 32000 else np.int32)
-    for i, index in enumerate(scan.indexes[:len(store.sources)]):
-        slots = np.frombuffer(index.slots, np.int32) if len(index.slots) else np.empty(0, np.int32)
-        count = min(len(slots), int(store.bases[i + 1] - store.bases[i]))
-        base = int(store.bases[i])
-        stream_of_line[base:base + count] = lut[slots[:count]]
-    counts = np.bincount(stream_of_line[stream_of_line >= 0], minlength=len(row_of_key))
+    stream_of_line, counts = _stream_ids(scan, store, lut, len(row_of_key))
     rows = [StreamRow(s.key, short_label(s.key), _status(s.status, s.role), int(counts[i]), s.last_step)
             for i, s in enumerate(summaries)]
     kept = [j for j in range(len(extra)) if counts[len(summaries) + j]]
@@ -129,6 +124,22 @@ def build_triaged(run: "TriageRun", store: LineStore) -> Triaged:
     errors = _errors(diag.findings, marks, scan.blocks, store, stream_of_line)
     return Triaged(run, tuple(rows), stream_of_line, marks, rules, _finding_rows(diag, marks, store),
                    root_gid, root_stream, errors)
+
+
+def _stream_ids(scan, store: LineStore, lut: np.ndarray, streams: int) -> tuple[np.ndarray, np.ndarray]:
+    """The stream row of every line (from the scan's slot of every line) and each stream's line
+    count, a million lines at a time so no temporary array grows with the log."""
+    ids = np.full(store.total, -1, np.int16 if streams < 32000 else np.int32)
+    counts = np.zeros(streams, np.int64)
+    for i, index in enumerate(scan.indexes[:len(store.sources)]):
+        slots = np.frombuffer(index.slots, np.int32) if len(index.slots) else np.empty(0, np.int32)
+        count = min(len(slots), int(store.bases[i + 1] - store.bases[i]))
+        base = int(store.bases[i])
+        for start in range(0, count, ID_BLOCK):
+            block = lut[slots[start:min(count, start + ID_BLOCK)]]
+            ids[base + start:base + start + len(block)] = block
+            counts += np.bincount(block[block >= 0], minlength=streams)
+    return ids, counts
 
 
 def short_label(key: StreamKey) -> str:
