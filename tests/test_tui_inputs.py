@@ -107,6 +107,20 @@ async def test_standard_input_is_spooled_and_exported_as_stdin(tmp_path):
 
 
 @drive
+async def test_a_hang_without_an_error_opens_on_the_stuck_ranks_last_step(tmp_path):
+    lines = [f"[rank{r}]: step {s} loss 0.5" for s in range(1, 11) for r in (0, 1) if r == 0 or s <= 3]
+    log = write_log(tmp_path / "hang.log", lines)
+    app = make_app(str(log))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        report = app.triaged.run.report
+        assert report.verdict == "hung" and report.root_cause.line is None
+        assert stream_label(app) == "rank 1" and app.store.text(app.log_view.cursor_gid()) == "step 3 loss 0.5"
+        rows = {r.label: r.status.value for r in app.query_one(RankList).streams}
+        assert rows["rank 1"] == "root cause" and rows["rank 0"] == "hung"
+
+
+@drive
 async def test_a_gzip_log_is_read_through_a_decompressed_spool(tmp_path):
     packed = tmp_path / "run.log.gz"
     packed.write_bytes(gzip.compress((ROOT / NP4).read_bytes()))
