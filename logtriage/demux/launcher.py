@@ -88,9 +88,7 @@ class LauncherFacts:
         """Attempt number of an output segment (segments are cut at each `failed` line)."""
         if self.restart_marked:
             return segment
-        if self.failed_lines <= 1:
-            return 0
-        return min(segment, self.failed_lines - 1)
+        return 0   # several `failed` lines and no restart: several agents (nodes) of one attempt
 
 
 def py_glog_pid(text: str) -> tuple[int, str] | None:
