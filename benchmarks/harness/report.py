@@ -51,6 +51,10 @@ def render(result: BenchResult) -> str:
             t_ratio, b_ratio = scale
             out.append(f"- Scaling, {pick}: {result.sizes[-1].label} took {t_ratio:.2f}× the time of "
                        f"{result.sizes[0].label} for {b_ratio:.2f}× the bytes ({t_ratio / b_ratio:.2f} of linear).")
+        fit = result.linear_fit(pick)
+        if fit:
+            out.append(f"  Least squares over the sizes: {pick} t = {fit[0]:.2f} s + {fit[1]:.2f} s/GB × size, "
+                       f"every size within {fit[2] * 100:.0f}% of that line (a fixed start-up plus linear work).")
     if result.rules:
         rr = result.rules
         out.append(f"- Rules: with {rr.total_rules} rules ({rr.base_rules} built-in + "

@@ -80,6 +80,19 @@ class BenchResult:
         t_small, t_large = getattr(small, pick).median_wall, getattr(large, pick).median_wall
         return t_large / t_small, large.size_bytes / small.size_bytes
 
+    def linear_fit(self, pick: str) -> tuple[float, float, float] | None:
+        """Least squares t = a + b * GB over the sizes' medians: (a seconds, b seconds per GB, the
+        largest relative distance of a size's median from the line)."""
+        if len(self.sizes) < 3:
+            return None
+        xs = [r.size_bytes / 1e9 for r in self.sizes]
+        ys = [getattr(r, pick).median_wall for r in self.sizes]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        a = my - b * mx
+        worst = max(abs(y - (a + b * x)) / y for x, y in zip(xs, ys))
+        return a, b, worst
+
     def targets(self) -> list[Target]:
         largest = self.sizes[-1]
         judged = not self.quick and largest.size_bytes >= 900_000_000
@@ -102,6 +115,12 @@ class BenchResult:
             rel = t_ratio / b_ratio
             out.append(Target(f"time grows linearly: {self.sizes[-1].label}/{self.sizes[0].label} within ±20% of "
                               f"{b_ratio:.1f}×", f"{t_ratio:.2f}× ({rel:.2f} of linear)", judge(0.8 <= rel <= 1.2)))
+        fit = self.linear_fit("triage")
+        if fit:
+            a, b, worst = fit
+            out.append(Target("time is linear in size after a fixed start-up: every size within ±20% of the "
+                              "least-squares line t = a + b·size", f"a = {a:.2f} s, b = {b:.2f} s/GB, worst "
+                              f"{worst * 100:.0f}%", judge(worst <= 0.2 and b > 0)))
         if self.rules:
             out.append(Target(f"{self.rules.total_rules} rules ({self.rules.total_rules // max(1, self.rules.base_rules)}× "
                               f"the catalog) cost ≤ 1.5× the time on {self.rules.label}",
