@@ -41,11 +41,31 @@ def ctrl_c(proc: subprocess.Popen, after: float) -> tuple[bytes, bytes]:
     return proc.communicate(timeout=60)
 
 
+def wait_until_blocked(pid: int, limit: float = 30.0) -> None:
+    """Until the process sleeps with its CPU time unchanged for 0.3 s (it has started up and
+    read what there was): a loaded machine (a fresh venv compiling every .pyc) can take seconds."""
+    stat = Path(f"/proc/{pid}/stat")
+    if not stat.exists():
+        time.sleep(1.5)
+        return
+    deadline, last, since = time.monotonic() + limit, None, time.monotonic()
+    while time.monotonic() < deadline:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        state, cpu = fields[0], int(fields[11]) + int(fields[12])
+        if state == "S" and cpu == last:
+            if time.monotonic() - since >= 0.3:
+                return
+        else:
+            last, since = cpu, time.monotonic()
+        time.sleep(0.05)
+
+
 def test_ctrl_c_while_waiting_on_a_pipe():
     proc = start("-", stdin=subprocess.PIPE)
     proc.stdin.write(b"[rank0]: step 1\n" * 1000)
     proc.stdin.flush()
-    out, err = ctrl_c(proc, 1.5)
+    wait_until_blocked(proc.pid)
+    out, err = ctrl_c(proc, 0.0)
     assert proc.returncode == 130
     assert err == b"triage: interrupted\n" and out == b""
 
