@@ -29,9 +29,16 @@ def big_log(path: Path, megabytes: int) -> Path:
     return path
 
 
+def _foreground_signals() -> None:
+    # A job a shell started in the background inherits SIGINT ignored, and Python keeps it so
+    # (that is what protects background jobs from Ctrl-C); triage here stands for a foreground run.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(*args: str, stdin=None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "logtriage", *args], stdin=stdin, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=environment(), cwd=ROOT, start_new_session=True)
+                            stderr=subprocess.PIPE, env=environment(), cwd=ROOT, start_new_session=True,
+                            preexec_fn=_foreground_signals)
 
 
 def ctrl_c(proc: subprocess.Popen, after: float) -> tuple[bytes, bytes]:
