@@ -50,18 +50,46 @@ def _is_role_char(c):
 
 
 @njit(cache=True, nogil=True)
+def _skip_spaces(buf, k, end):
+    while k < end and buf[k] == 32:
+        k += 1
+    return k
+
+
+@njit(cache=True, nogil=True)
+def _spaces_before(buf, q, c):
+    """q moved back over the spaces before it, not past c."""
+    while q - 1 >= c and buf[q - 1] == 32:
+        q -= 1
+    return q
+
+
+@njit(cache=True, nogil=True)
+def _number(buf, k, end, limit):
+    """Decimal digits at k, at most `limit` + 1 read: (value, how many digits, index after them)."""
+    value = 0
+    digits = 0
+    while k < end and _is_digit(buf[k]) and digits <= limit:
+        value = value * 10 + (buf[k] - 48)
+        k += 1
+        digits += 1
+    return value, digits, k
+
+
+@njit(cache=True, nogil=True)
+def _global_before(buf, q, c):
+    """Whether `global` (any case) ends at q - 1, within the message that starts at c."""
+    return q - 6 >= c and _lower(buf[q - 6]) == 103 and _lower(buf[q - 5]) == 108 and _lower(buf[q - 4]) == 111 \
+        and _lower(buf[q - 3]) == 98 and _lower(buf[q - 2]) == 97 and _lower(buf[q - 1]) == 108
+
+
+@njit(cache=True, nogil=True)
 def _excepthook(buf, i, end):
     """`[rank(\\d{1,12})\\]:( |(?=\\[)|$)` at i: (rank, message start) or (-1, -1)."""
     if end - i < 8 or buf[i] != 91 or buf[i + 1] != 114 or buf[i + 2] != 97 or buf[i + 3] != 110 or buf[i + 4] != 107:
         return -1, -1
-    k = i + 5
-    value = 0
-    digits = 0
-    while k < end and _is_digit(buf[k]) and digits < 13:
-        value = value * 10 + (buf[k] - 48)
-        k += 1
-        digits += 1
-    if digits == 0 or digits > 12 or k + 1 >= end + 1 or k >= end or buf[k] != 93:
+    value, digits, k = _number(buf, i + 5, end, 12)
+    if digits == 0 or digits > 12 or k >= end or buf[k] != 93:
         return -1, -1
     if k + 1 >= end or buf[k + 1] != 58:
         return -1, -1
@@ -87,12 +115,7 @@ def _tee(buf, i, end):
     while k < end and _is_role_char(buf[k]):
         k += 1
     role_end = k
-    value = 0
-    digits = 0
-    while k < end and _is_digit(buf[k]) and digits < 8:
-        value = value * 10 + (buf[k] - 48)
-        k += 1
-        digits += 1
+    value, digits, k = _number(buf, k, end, 7)
     if digits == 0 or digits > 7 or k + 1 >= end or buf[k] != 93 or buf[k + 1] != 58:
         return -1, -1
     if role_end - (i + 1) == 4 and buf[i + 1] == 114 and buf[i + 2] == 97 and buf[i + 3] == 110 and buf[i + 4] == 107:
@@ -153,22 +176,11 @@ def _marker(buf, c, end, found):
         value = _assignment_marker_at(buf, c, found[q], head_end)
         if value >= 0:
             return value
-    k = c
-    while k < head_end and buf[k] == 32:
-        k += 1
+    k = _skip_spaces(buf, c, head_end)
     if k + 4 <= head_end and _is_rank_at(buf, k):
-        k += 4
-        while k < head_end and buf[k] == 32:
-            k += 1
-        value = 0
-        digits = 0
-        while k < head_end and _is_digit(buf[k]):
-            value = value * 10 + (buf[k] - 48)
-            k += 1
-            digits += 1
+        value, digits, k = _number(buf, _skip_spaces(buf, k + 4, head_end), head_end, 9)
         if 0 < digits <= 9:
-            while k < head_end and buf[k] == 32:
-                k += 1
+            k = _skip_spaces(buf, k, head_end)
             if k < head_end and (buf[k] == 58 or buf[k] == 124 or buf[k] == 93):
                 return value
     return -1
@@ -182,8 +194,7 @@ def _is_word(c):
 @njit(cache=True, nogil=True)
 def _assignment_marker_at(buf, c, p, head_end):
     q = p
-    if q - 7 >= c and _lower(buf[q - 7]) == 103 and _lower(buf[q - 6]) == 108 and _lower(buf[q - 5]) == 111 \
-            and _lower(buf[q - 4]) == 98 and _lower(buf[q - 3]) == 97 and _lower(buf[q - 2]) == 108 and buf[q - 1] == 95:
+    if q - 1 >= c and buf[q - 1] == 95 and _global_before(buf, q - 1, c):
         before = q - 8
         if before < c or buf[before] == 32 or buf[before] == 44 or buf[before] == 40 or buf[before] == 124:
             q -= 7
@@ -191,20 +202,10 @@ def _assignment_marker_at(buf, c, p, head_end):
         b = buf[q - 1]
         if not (b == 32 or b == 44 or b == 40 or b == 124):
             return -1
-    k = p + 4
-    while k < head_end and buf[k] == 32:
-        k += 1
+    k = _skip_spaces(buf, p + 4, head_end)
     if k >= head_end or not (buf[k] == 61 or buf[k] == 58):
         return -1
-    k += 1
-    while k < head_end and buf[k] == 32:
-        k += 1
-    value = 0
-    digits = 0
-    while k < head_end and _is_digit(buf[k]):
-        value = value * 10 + (buf[k] - 48)
-        k += 1
-        digits += 1
+    value, digits, k = _number(buf, _skip_spaces(buf, k + 1, head_end), head_end, 9)
     if digits == 0 or digits > 9:
         return -1
     if k < head_end and _is_word(buf[k]):
@@ -215,48 +216,26 @@ def _assignment_marker_at(buf, c, p, head_end):
 @njit(cache=True, nogil=True)
 def _bracket_marker_at(buf, c, p, head_end):
     q = p
-    if q - 7 >= c and _lower(buf[q - 7]) == 103 and _lower(buf[q - 6]) == 108 and _lower(buf[q - 5]) == 111 \
-            and _lower(buf[q - 4]) == 98 and _lower(buf[q - 3]) == 97 and _lower(buf[q - 2]) == 108 \
-            and (buf[q - 1] == 95 or buf[q - 1] == 32):
+    if q - 1 >= c and (buf[q - 1] == 95 or buf[q - 1] == 32) and _global_before(buf, q - 1, c):
         q -= 7
-    while q - 1 >= c and buf[q - 1] == 32:
-        q -= 1
+    q = _spaces_before(buf, q, c)
     if q - 1 < c or buf[q - 1] != 91:
         # "global " may have been ordinary spaces: try without the optional word
-        q = p
-        while q - 1 >= c and buf[q - 1] == 32:
-            q -= 1
+        q = _spaces_before(buf, p, c)
         if q - 1 < c or buf[q - 1] != 91:
             return -1
-    k = p + 4
-    while k < head_end and buf[k] == 32:
-        k += 1
+    k = _skip_spaces(buf, p + 4, head_end)
     if k < head_end and (buf[k] == 58 or buf[k] == 61 or buf[k] == 35):
         k += 1
-    while k < head_end and buf[k] == 32:
-        k += 1
-    value = 0
-    digits = 0
-    while k < head_end and _is_digit(buf[k]):
-        value = value * 10 + (buf[k] - 48)
-        k += 1
-        digits += 1
+    value, digits, k = _number(buf, _skip_spaces(buf, k, head_end), head_end, head_end)
     if digits == 0 or digits > 9:
         return -1
-    while k < head_end and buf[k] == 32:
-        k += 1
+    k = _skip_spaces(buf, k, head_end)
     if k < head_end and buf[k] == 47:
-        k += 1
-        while k < head_end and buf[k] == 32:
-            k += 1
-        d2 = 0
-        while k < head_end and _is_digit(buf[k]):
-            k += 1
-            d2 += 1
+        _, d2, k = _number(buf, _skip_spaces(buf, k + 1, head_end), head_end, head_end)
         if d2 == 0:
             return -1
-        while k < head_end and buf[k] == 32:
-            k += 1
+        k = _skip_spaces(buf, k, head_end)
     if k < head_end and buf[k] == 93:
         return value
     return -1

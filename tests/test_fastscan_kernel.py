@@ -1,0 +1,50 @@
+"""The compiled readers of the fast scan against the exact path's regexes, on generated text
+made of the pieces they look for (rank words, `global_`, brackets, digits, separators)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from logtriage.demux import prefixes
+from logtriage.demux.assigner import find_rank_marker
+from logtriage.fastscan import kernel
+
+PIECES = ["rank", "Rank", "RANK", "global_", "global ", "Global", "[", "]", ":", "=", "#", "|", ",",
+          "(", "/", " ", "  ", "0", "7", "12", "123456789", "1234567890", "123456789012", "1234567890123", "x", "step 3", "]:", "default"]
+texts = st.lists(st.sampled_from(PIECES), max_size=8).map("".join)
+# Prefix-shaped text: `[` word digits `]` separator rest, where the word and digit counts straddle
+# the limits the readers enforce (12 digits for `[rankN]:`, 7 for a tee role, 9 for a marker).
+DIGITS = st.integers(min_value=1, max_value=14).map(lambda n: "1234567890123456"[:n])
+shaped = st.builds(lambda open_, word, digits, close, rest: open_ + word + digits + close + rest,
+                   st.sampled_from(["[", "", " "]), st.sampled_from(["rank", "Rank", "default", "trainer", "global_rank",
+                                                                  "rank ", "rank=", "gpu-"]),
+                   DIGITS, st.sampled_from(["]:", "]: ", "]:[", "]", ":", " |", "] ", "/8]"]), texts)
+
+
+def _buf(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode(), dtype=np.uint8)
+
+
+@settings(max_examples=5000, deadline=None)
+@given(texts | shaped)
+def test_rank_marker_matches_the_exact_path(text):
+    found = kernel._marker(_buf(text), 0, len(text), np.empty(8, dtype=np.int64))
+    if found == -2:
+        return   # more than 8 "rank" words: the fast scan hands the line to the exact path
+    expected = find_rank_marker(text)
+    assert (found if found >= 0 else None) == expected, text
+
+
+@settings(max_examples=2000, deadline=None)
+@given(texts | shaped)
+def test_excepthook_and_tee_prefixes_match_the_exact_path(text):
+    buf = _buf(text)
+    rank, after = kernel._excepthook(buf, 0, len(text))
+    m = prefixes._EXCEPTHOOK.match(text)
+    assert (rank, after) == ((int(m.group(1)), m.end()) if m else (-1, -1)), text
+    local, after = kernel._tee(buf, 0, len(text))
+    m = prefixes._TEE.match(text)
+    expected = (int(m.group(2)), m.end()) if m and m.group(1) != "rank" else (-1, -1)
+    assert (local, after) == expected, text
