@@ -77,3 +77,11 @@ def test_every_line_lands_in_exactly_one_stream_for_a_folder(tmp_path):
     assert report["input_lines"] == 6 == sum(s["lines"] for s in report["streams"])
     assert report["root_cause"]["rank"] == 1 and report["root_cause"]["line"] == 4
     assert report["root_cause"]["source"].endswith("rank1.log")
+
+
+def test_exit_codes_own_failure_and_killed_agree_on_launcher_and_shell_forms():
+    from logtriage.analysis.childfailed import is_killed, is_own_failure
+    assert [is_own_failure(c) for c in (None, 0, 1, -6, -9, -15, 143, 137)] == \
+        [False, False, True, True, True, False, False, True]
+    assert [is_killed(c) for c in (None, 0, 1, -6, -9, -15, 143, 137)] == \
+        [False, False, False, False, True, True, True, True]

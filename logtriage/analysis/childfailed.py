@@ -103,3 +103,14 @@ def signal_name(exitcode: int | None) -> str | None:
     if 128 < exitcode < 160 and exitcode - 128 in SIGNALS:
         return SIGNALS[exitcode - 128]
     return None
+
+
+def is_own_failure(exitcode: int | None) -> bool:
+    """A worker's exit that is its own failure: not 0, and not the SIGTERM the agent sends to stop
+    the others (-15, or 143 from a shell)."""
+    return exitcode not in (None, 0) and signal_name(exitcode) != "SIGTERM"
+
+
+def is_killed(exitcode: int | None) -> bool:
+    """Ended from outside: SIGTERM or SIGKILL, as the launcher (-N) or a shell (128+N) reports it."""
+    return signal_name(exitcode) in ("SIGTERM", "SIGKILL")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from logtriage.analysis.childfailed import ChildFailure, parse_child_failures
+from logtriage.analysis.childfailed import ChildFailure, is_killed, is_own_failure, parse_child_failures
 from logtriage.analysis.environment import Environment, collect_environment
 from logtriage.analysis.findings import Finding, resolve_findings
 from logtriage.analysis.hangs import (
@@ -130,7 +130,7 @@ def _rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure],
 
 
 def _exit_only_root(failures: list[ChildFailure], catalog: Catalog) -> RootCause | None:
-    own = [f for f in failures if f.exitcode not in (0, -15)]
+    own = [f for f in failures if is_own_failure(f.exitcode)]
     if not own:
         return None
     first = next((f for f in own if f.is_root_cause), own[0])
@@ -233,7 +233,7 @@ def _summaries(stats, findings, root, chain, verdict, failures) -> tuple[StreamS
                 status, role = ("hung" if verdict is Verdict.HUNG else "failed"), "root"
             elif err is not None or key.rank in cascade_ranks:
                 status, role = "failed", "cascade"
-            elif code in (-15, -9) or code == 143:
+            elif is_killed(code):
                 status, role = "killed", "teardown"
             elif verdict is Verdict.HUNG:
                 status = "hung"

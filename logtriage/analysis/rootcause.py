@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from logtriage.analysis.childfailed import is_own_failure
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.timestamps import clearly_before
 from logtriage.catalog.rule import Category, Role, Rule, Severity
@@ -186,7 +187,7 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
 
 
 _LAUNCHER_EXITS = frozenset({"signal.exit_nonzero", "signal.sigkill", "signal.sigsegv", "signal.sigabrt",
-                             "signal.sigbus", "launcher.spawn_child_error"})
+                             "signal.sigbus", "signal.other_signal", "launcher.spawn_child_error"})
 
 
 def _rank_the_launcher_saw_fail(live: list[Finding]) -> int | None:
@@ -258,7 +259,7 @@ def _culprit(live: list[Finding]) -> int | None:
 
 
 def _rank_from_exit_codes(facts: RankFacts) -> int | None:
-    own = [r for r, code in facts.exit_codes.items() if code not in (0, -15, 143)]
+    own = [r for r, code in facts.exit_codes.items() if is_own_failure(code)]
     return own[0] if len(own) == 1 else None
 
 
