@@ -9,13 +9,12 @@ import re
 from dataclasses import dataclass
 
 from logtriage.analysis.timestamps import Stamp, parse_cfe_time
+from logtriage.demux.launcher import CFE_EXIT, CFE_RANK, is_cfe_start
 
-# Numbers become ints only with at most 12 digits (as in demux/launcher.py): a log cannot make
-# an integer too big for the JSON report or too long to convert.
+# The rank and exitcode fields are read with the demuxer's own patterns (at most 12 digits: a
+# log cannot make an integer too big for the JSON report or too long to convert).
 _ENTRY = re.compile(r"^\[(\d{1,12})\]:\s*$")
 _FIELD = re.compile(r"^\s{1,4}(time|host|rank|exitcode|error_file|traceback)\s*: ?(.*)$")
-_RANK = re.compile(r"(\d{1,12}) \(local_rank: (\d{1,12})\)")
-_EXIT = re.compile(r"(-?\d{1,12}) \(pid: (\d{1,12})\)(?:\s+\((SIG\w+)\))?")
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,7 @@ def parse_child_failures(launcher_lines: list[tuple[int, int, str]]) -> list[Chi
     in_root = False
     current: dict | None = None
     for source, number, text in launcher_lines:
-        if "ChildFailedError" in text and text.rstrip().endswith(":"):
+        if is_cfe_start(text):
             in_root = False
         if text.startswith("Root Cause"):
             _flush(current, entries)
@@ -61,11 +60,11 @@ def parse_child_failures(launcher_lines: list[tuple[int, int, str]]) -> list[Chi
             continue
         name, value = m.group(1), m.group(2).rstrip()
         if name == "rank":
-            r = _RANK.match(value)
+            r = CFE_RANK.match(text)
             if r:
                 current["rank"], current["local_rank"] = int(r.group(1)), int(r.group(2))
         elif name == "exitcode":
-            e = _EXIT.match(value)
+            e = CFE_EXIT.match(text)
             if e:
                 current["exitcode"], current["pid"] = int(e.group(1)), int(e.group(2))
                 current["signal"] = e.group(3)

@@ -129,7 +129,7 @@ class Assigner:
                 self.facts.observe(text)
                 return self._part(launcher, text)
             return self._part(slots.pid(pid, self.facts.segment), text)
-        if L.CFE_START.search(text):
+        if L.is_cfe_start(text):
             return self._open(B.BlockKind.CHILD_FAILED, launcher, text, bare=False)
         if L.CFE_FIELD.match(text):
             self.facts.observe(text)
@@ -159,8 +159,8 @@ class Assigner:
             return self._open(B.BlockKind.TRACEBACK, slots.new_block(), text, bare=True)
         slot = self._rank_slot(marker, "") if marker is not None else slots.fixed(StreamKind.UNATTRIBUTED)
         part = self._open_or_plain(slot, text, bare=False)
-        if marker is not None and _ERROR_RECORD.search(text):
-            self.error_record_slot = slot
+        if marker is not None and part.block_id >= 0 and _ERROR_RECORD.search(text):
+            self.error_record_slot = slot   # a plain line had it set in _open_or_plain already
         return part
 
     def _open_or_plain(self, slot: int, text: str, bare: bool) -> Part:
@@ -209,7 +209,7 @@ class Assigner:
             self.collectives[block.block_id] = block.state["collective"]
         if block.state.get("exception_line"):
             self.exception_lines[block.block_id] = block.state["exception_line"]
-        becomes_cfe = bool(L.CFE_START.search(exception))
+        becomes_cfe = L.is_cfe_start(exception)
         if block.bare:
             self.slots.redirect[block.slot] = self._bare_owner(block, exception, becomes_cfe)
         self.error_record_slot = None

@@ -32,13 +32,19 @@ FAILED = re.compile(r"failed \(exitcode: (-?\d{1,12})\) local_rank: (\d{1,12}) \
 SENDING = re.compile(r"Sending process (\d{1,12}) closing signal (SIG\w+)")
 TERMINATING = re.compile(r"Terminating process (\d{1,12}) via signal (SIG\w+)")
 CFE_RANK = re.compile(r"^\s*rank\s*: (\d{1,12}) \(local_rank: (\d{1,12})\)")
-CFE_EXIT = re.compile(r"^\s*exitcode\s*: (-?\d{1,12}) \(pid: (\d{1,12})\)")
+CFE_EXIT = re.compile(r"^\s*exitcode\s*: (-?\d{1,12}) \(pid: (\d{1,12})\)(?:\s+\((SIG\w+)\))?")
 SPAWN_CHILD = re.compile(r"^-- Process (\d{1,12}) terminated with the following error:")
 RESTART = re.compile(r"restart_count=(\d+)|will restart worker group|Worker group FAILED\. \d+/\d+ attempts left")
 # Lines of a ChildFailedError summary, recognisable even when a paste starts in its middle.
 CFE_FIELD = re.compile(r"^(?:\[\d+\]:\s*$|  (?:time|host|rank|exitcode|error_file|traceback)\s*: |"
                        r"Root Cause \(first observed failure\):|Failures:\s*$|\s*<NO_OTHER_FAILURES>)")
-CFE_START = re.compile(r"(?:^|\.)ChildFailedError: ?$|ChildFailedError: *$")
+CFE_START = re.compile(r"ChildFailedError: *$")   # search only lines holding "ChildFailedError"
+
+
+def is_cfe_start(text: str) -> bool:
+    """The `...ChildFailedError:` line that opens the summary (a cheap `in` test first: this runs
+    on every unprefixed line)."""
+    return "ChildFailedError" in text and CFE_START.search(text) is not None
 
 
 @dataclass
