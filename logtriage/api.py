@@ -8,7 +8,7 @@ from typing import Callable, Iterable, Sequence
 from logtriage.analysis.diagnose import Diagnosis, diagnose
 from logtriage.catalog.loader import Catalog, load_catalog
 from logtriage.catalog.matcher import Matcher
-from logtriage.errors import CatalogError, UsageError
+from logtriage.errors import UsageError
 from logtriage.ingest.sources import discover
 from logtriage.redact import Redactor, redact_report
 from logtriage.report.build import build_report
@@ -48,8 +48,8 @@ def get_catalog(patterns_dirs: Iterable[str] = ()) -> Catalog:
 
 def run_triage(inputs: Sequence[str], options: TriageOptions = TriageOptions()) -> TriageRun:
     catalog = get_catalog(options.patterns_dirs)
-    if options.strict_catalog and catalog.problems:
-        raise CatalogError(list(catalog.problems))
+    if options.strict_catalog:
+        catalog.strict()
     discovery = discover(inputs)
     matcher = Matcher(catalog)
     if _use_fast(options.engine, discovery.sources):

@@ -27,9 +27,9 @@ from logtriage.catalog.matcher import Matcher
 from logtriage.demux.clean import clean, decode
 from logtriage.demux.prefixes import Dialect
 from logtriage.demux.streams import SlotKind, StreamKind
-from logtriage.errors import CatalogError, InputError, UsageError
+from logtriage.errors import InputError, UsageError
 from logtriage.ingest.reader import MAX_LINE
-from logtriage.ingest.sources import GZIP_MAGIC, Source, display_name
+from logtriage.ingest.sources import Source, display_name, starts_gzip
 from logtriage.report.model import Report
 from logtriage.report.safe import terminal_safe
 from logtriage.scan import DIALECT_SAMPLE, LineScanner, ScanResult, SourceIndex, new_result
@@ -198,8 +198,8 @@ class Session:
 def follow(target: str, options: TriageOptions, out: TextIO, err: TextIO) -> Report:
     """Follow `target` (a path or "-"), printing findings to `out`; the report when it ends."""
     catalog = get_catalog(options.patterns_dirs)
-    if options.strict_catalog and catalog.problems:
-        raise CatalogError(list(catalog.problems))
+    if options.strict_catalog:
+        catalog.strict()
     source = _source(target)
     reader = StdinInput() if source.is_stdin else FileInput(target)
     redactor, _ = make_redactor(options)
@@ -240,9 +240,8 @@ def _source(target: str) -> Source:
     if path.is_dir():
         raise UsageError(f"{target}: --follow takes one file or '-', not a folder")
     try:
-        with open(path, "rb") as probe:
-            if probe.read(2) == GZIP_MAGIC:
-                raise UsageError(f"{target}: a compressed file cannot be followed")
+        if starts_gzip(path):
+            raise UsageError(f"{target}: a compressed file cannot be followed")
     except OSError as exc:
         raise InputError(f"{target}: cannot read ({exc.strerror or exc})") from None
     return Source(0, display_name(target), path)

@@ -8,6 +8,7 @@ runs in bulk with the same outcome."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import shutil
 import tempfile
@@ -221,7 +222,7 @@ def scan(sources: tuple[Source, ...], matcher: Matcher, progress: Callable[[int]
         head = list(islice(lines, DIALECT_SAMPLE))
         scanner = LineScanner(result, source, index, matcher, Dialect.detect(clean(decode(raw)) for _, raw in head))
         number = 0
-        for offset, raw in _chain(head, lines):
+        for offset, raw in itertools.chain(head, lines):
             number += 1
             scanner.line(number, offset, raw)
             if progress is not None and number % 65536 == 0:
@@ -248,11 +249,6 @@ def _until_unreadable(lines, result: ScanResult):
     except InputError as exc:
         result.problems.append(str(exc))
         result.unreadable.append(str(exc))
-
-
-def _chain(head, rest):
-    yield from head
-    yield from rest
 
 
 def copy_spool(index: SourceIndex, target) -> None:

@@ -9,8 +9,9 @@ from typing import Any
 
 import orjson
 
-_PROBE = re.compile(r"^([A-Z][A-Z0-9_]*_JSON)=(.*)$")
-_BANNER_TITLE = re.compile(r"^== (.{2,60}?) ==\s*$")
+from logtriage.demux.assigner import PROBE
+from logtriage.demux.blocks import BANNER_TITLE
+
 _RELEASE = re.compile(r"^NVIDIA Release (\S+)(?: \(build (\d+)\))?")
 _FRAMEWORK_VERSION = re.compile(r"^(\w[\w ]*?) Version (\S+)")
 MAX_PROBE_BYTES = 1 << 20
@@ -33,7 +34,7 @@ def collect_environment(probes: list[tuple[int, int, int, str]], banner_lines: l
     env = Environment()
     per_rank: dict[str, dict] = {}
     for source, line, _slot, text in probes:
-        m = _PROBE.match(text)
+        m = PROBE.match(text)
         if not m:
             continue
         name, payload = m.group(1), m.group(2)
@@ -65,7 +66,7 @@ def collect_environment(probes: list[tuple[int, int, int, str]], banner_lines: l
 
 def _banner(env: Environment, lines: list[str]) -> None:
     for text in lines:
-        m = _BANNER_TITLE.match(text)
+        m = BANNER_TITLE.match(text)
         if m:
             env.facts.setdefault("container_image", m.group(1).strip())
             continue

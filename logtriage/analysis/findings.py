@@ -80,19 +80,19 @@ class Finding:
     def exception_type(self) -> str | None:
         """The exception type as printed (`torch.OutOfMemoryError`), from the rule's capture or
         from the line itself when it is an exception line."""
-        value = self.captures.get("exception_type")
-        if value:
-            return value
-        for text in (self.text, self.block_exception):
-            m = _EXCEPTION_TYPE.match(text)
-            if m:
-                return m.group(1)
-        return None
+        return self.captures.get("exception_type") or exception_type_of(self.text) \
+            or exception_type_of(self.block_exception)
 
     @property
     def signature(self) -> str:
         """What identical errors on several ranks share: rule and text with numbers masked."""
         return f"{self.rule.id}|{_MASK.sub('#', self.text)}"
+
+
+def exception_type_of(text: str) -> str | None:
+    """`torch.OutOfMemoryError` of `torch.OutOfMemoryError: CUDA out of memory...`, else None."""
+    m = _EXCEPTION_TYPE.match(text)
+    return m.group(1) if m else None
 
 
 def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[ChildFailure]) -> list[Finding]:

@@ -7,8 +7,10 @@ from __future__ import annotations
 from collections import Counter
 
 from logtriage.analysis.findings import Finding
+from logtriage.analysis.nccl_ranks import SETUP_RULE
 from logtriage.analysis.rootcause import RankFacts, RootCause, missing_from_barrier
 from logtriage.catalog.loader import Catalog
+from logtriage.rank_ranges import ranges
 from logtriage.catalog.rule import Category, Role, Rule, Severity
 from logtriage.scan import ScanResult
 
@@ -51,7 +53,7 @@ def stalled_in_nccl_init(scan: ScanResult, findings: list[Finding], facts: RankF
                           catalog: Catalog) -> RootCause | None:
     """No error and no progress, and the output stops during NCCL's set-up (INFO lines start, no
     communicator completes) or right after it (every one completed, nothing follows)."""
-    init = [f for f in findings if f.rule.id == "context.nccl_init_progress"]
+    init = [f for f in findings if f.rule.id == SETUP_RULE]
     started = [f for f in init if f.captures.get("bootstrap_if")]
     completed = [f for f in init if f.captures.get("complete")]
     if facts.last_step or not init:
@@ -90,17 +92,12 @@ def world_incomplete(findings: list[Finding], catalog: Catalog, stop: RootCause 
     first = next(f for f in members if f.rank in repeated) if repeated else members[0]
     reasons = [f"a world of {world}: {len(claimed)} distinct global rank(s) announced"]
     if repeated:
-        reasons.append(f"rank(s) {_span(repeated)} announced more than once")
+        reasons.append(f"rank(s) {ranges(repeated, limit=8)} announced more than once")
     if missing:
-        reasons.append(f"rank(s) {_span(missing)} never announced")
+        reasons.append(f"rank(s) {ranges(missing, limit=8)} never announced")
     if stop is not None:
         reasons.append(f"then the job was stopped ({stop.rule.id}) while the others waited")
     return RootCause(rule, first, None, tuple(repeated), 0.5, tuple(reasons))
-
-
-def _span(ranks: list[int]) -> str:
-    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 2 and ranks[-1] - ranks[0] == len(ranks) - 1 \
-        else ", ".join(map(str, ranks[:8])) + (" ..." if len(ranks) > 8 else "")
 
 
 def fallback_rule(rule_id: str, category: Category, title: str) -> Rule:

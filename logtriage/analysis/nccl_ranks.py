@@ -12,14 +12,14 @@ from dataclasses import replace
 from logtriage.analysis.findings import Finding
 
 NCCL_PREFIX = re.compile(r"^([\w.-]{1,64}):(\d{1,12}):\d{1,12} \[\d{1,4}\] ")
-_SETUP_RULE = "context.nccl_init_progress"
+SETUP_RULE = "context.nccl_init_progress"   # the NCCL set-up lines: Bootstrap, comm rank, channel
 
 
 def attribute_by_nccl_pid(findings: list[Finding]) -> list[Finding]:
     claims: dict[tuple[str, str], set[int]] = {}
     for f in findings:
         value = f.captures.get("comm_rank", "")
-        m = NCCL_PREFIX.match(f.text) if f.rule.id == _SETUP_RULE and value.isdigit() else None
+        m = NCCL_PREFIX.match(f.text) if f.rule.id == SETUP_RULE and value.isdigit() else None
         if m:
             claims.setdefault((m.group(1), m.group(2)), set()).add(int(value))
     if not claims:

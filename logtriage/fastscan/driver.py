@@ -4,6 +4,7 @@ the workers analyse the next chunks."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import tempfile
@@ -21,7 +22,7 @@ from logtriage.errors import InputError
 from logtriage.fastscan.flags import CANDIDATE, NOT_PLAIN
 from logtriage.fastscan.merge import ChunkLines, ChunkMerger
 from logtriage.ingest.reader import open_source
-from logtriage.ingest.sources import GZIP_MAGIC, Source
+from logtriage.ingest.sources import Source, starts_gzip
 from logtriage.scan import DIALECT_SAMPLE, LineScanner, ScanResult, SourceIndex, new_result
 
 CHUNK_BYTES = 16 << 20
@@ -64,11 +65,11 @@ def _scan_source(result, source, index, matcher, prefilter, pool, progress) -> N
     scanner = LineScanner(result, source, index, matcher, Dialect.detect(clean(decode(raw)) for raw in head))
     dialect = scanner.assigner.dialect
     if dialect.srun or dialect.hosts or dialect.stamped:   # prefixes the kernel does not parse
-        _exact(scanner, _file_chunks(source) if path is not None else _chain([first] if first else [], chunks))
+        _exact(scanner, _file_chunks(source) if path is not None else itertools.chain([first] if first else [], chunks))
     elif path is not None:
         _file_ranges(scanner, path, pool, prefilter, progress)
     elif first is not None:
-        _stream(scanner, _chain([first], chunks), pool, prefilter, progress)
+        _stream(scanner, itertools.chain([first], chunks), pool, prefilter, progress)
     scanner.close()
 
 
@@ -208,8 +209,7 @@ def _analyse_range(path: str, low: int, high: int, rank_hint: int) -> tuple[int,
 
 def _is_gzip(source: Source) -> bool:
     try:
-        with open(source.path, "rb") as f:
-            return f.read(2) == GZIP_MAGIC
+        return starts_gzip(source.path)
     except OSError:
         return False
 
@@ -298,8 +298,3 @@ def _stream_chunks(source: Source, index: SourceIndex) -> Iterator[tuple[int, by
                 data, carry = block[: cut + 1], block[cut + 1:]
             yield offset, data
             offset += len(data)
-
-
-def _chain(first, rest):
-    yield from first
-    yield from rest

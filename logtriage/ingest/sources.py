@@ -17,6 +17,12 @@ from logtriage.errors import InputError
 
 STDIN = "-"
 GZIP_MAGIC = b"\x1f\x8b"
+
+
+def starts_gzip(path) -> bool:
+    """Whether the file starts with the gzip magic (OSError when it cannot be read)."""
+    with open(path, "rb") as f:
+        return f.read(2) == GZIP_MAGIC
 # torchrun --log-dir: <dir>/<run_id>/attempt_<n>/<local_rank>/{stdout,stderr}.log
 _LOGDIR_FILE = re.compile(r"(?:^|/)attempt_(\d{1,9})/(\d{1,9})/(stdout|stderr)\.log(?:\.gz)?$")
 # other per-rank files: rank3.log, rank_3.txt, log_rank-03.out, worker3.err, 3.log

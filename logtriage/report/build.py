@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 from logtriage.analysis.diagnose import Diagnosis
-from logtriage.analysis.findings import Finding
+from logtriage.analysis.findings import Finding, exception_type_of
 from logtriage.demux.streams import StreamKind
 from logtriage.report.evidence import read_lines
 from logtriage.report.model import (ChainEntry, EvidenceLine, FindingView, RankRow, Report, RootCauseView,
@@ -80,9 +80,9 @@ def _exception_type(scan: ScanResult, diag: Diagnosis, finding: Finding) -> str 
         exception = scan.block_exceptions.get(block_id)
         slot = scan.block_slots.get(block_id)
         if exception and slot is not None and diag.keys[scan.slots.final(slot)] == stream:
-            probe = Finding(finding.rule, {}, source, first, stream, None, exception, block_id, 0, None)
-            if probe.exception_type:
-                return probe.exception_type
+            found = exception_type_of(exception)
+            if found:
+                return found
     return None
 
 

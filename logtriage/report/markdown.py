@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from logtriage.report.model import Report
 from logtriage.report.safe import markdown_code_block, markdown_code_span as code, markdown_inline as md
-from logtriage.report.text import ranges, who_of
+from logtriage.rank_ranges import ranges
+from logtriage.report.text import who_of
 
 
 def render_markdown(report: Report) -> str:

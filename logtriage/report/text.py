@@ -8,6 +8,7 @@ import textwrap
 
 from logtriage.report.model import RankRow, Report
 from logtriage.report.safe import terminal_safe, terminal_safe_document
+from logtriage.rank_ranges import ranges
 
 _MASK = re.compile(r"\d+")
 WIDTH = 100
@@ -107,23 +108,6 @@ def _who(rank: int | None, ranks: tuple[int, ...]) -> str:
     if ranks:
         return f"rank {ranks[0]}"
     return "launcher"
-
-
-def ranges(ranks) -> str:
-    """0,1,2,3,5 -> '0–3, 5'."""
-    ranks = sorted(set(ranks))
-    parts, start, prev = [], None, None
-    for r in ranks:
-        if start is None:
-            start = prev = r
-        elif r == prev + 1:
-            prev = r
-        else:
-            parts.append(f"{start}" if start == prev else f"{start}–{prev}")
-            start = prev = r
-    if start is not None:
-        parts.append(f"{start}" if start == prev else f"{start}–{prev}")
-    return ", ".join(parts)
 
 
 def _collapsed(rows: tuple[RankRow, ...]):

@@ -16,7 +16,7 @@ from textual.message import Message
 from textual.widgets import DataTable
 
 from logtriage.report.safe import terminal_safe
-from logtriage.report.text import ranges
+from logtriage.rank_ranges import ranges
 from logtriage.tui.model.streams import FindingRow, Mark
 
 MARK_STYLE = {

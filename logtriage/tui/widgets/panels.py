@@ -13,7 +13,7 @@ from textual.widgets import Input, Label, Static
 
 from logtriage.report.model import Report
 from logtriage.report.safe import terminal_safe
-from logtriage.report.text import ranges
+from logtriage.rank_ranges import ranges
 
 VERDICT_STYLE = {"failed": "bold white on red", "hung": "bold black on yellow", "ok": "bold black on green"}
 
