@@ -28,7 +28,7 @@ from logtriage.demux.clean import clean, decode
 from logtriage.demux.prefixes import Dialect
 from logtriage.demux.streams import SlotKind, StreamKind
 from logtriage.errors import InputError, UsageError
-from logtriage.ingest.reader import MAX_LINE
+from logtriage.ingest.reader import MAX_LINE, TAIL, capped
 from logtriage.ingest.sources import Source, display_name, starts_gzip
 from logtriage.report.model import Report
 from logtriage.report.safe import terminal_safe
@@ -40,11 +40,12 @@ READ_BYTES, FINDING_TEXT = 1 << 16, 200   # bytes per read; characters of a find
 
 class LineSplitter:
     """Bytes as they arrive -> (offset, line without its newline), offsets exact. A line longer
-    than MAX_LINE keeps only its first MAX_LINE bytes (the same bound as ingest.reader)."""
+    than MAX_LINE keeps its first MAX_LINE and last TAIL bytes, as ingest.reader does."""
 
     def __init__(self) -> None:
         self.offset = 0
         self._kept = bytearray()
+        self._tail = bytearray()
         self._size = 0
 
     def feed(self, chunk: bytes) -> Iterator[tuple[int, bytes]]:
@@ -63,14 +64,17 @@ class LineSplitter:
 
     def _add(self, piece: bytes) -> None:
         self._size += len(piece)
-        room = MAX_LINE - len(self._kept)
-        if room > 0:
-            self._kept += piece[:room]
+        room = max(MAX_LINE - len(self._kept), 0)
+        self._kept += piece[:room]
+        if len(piece) > room:
+            self._tail += piece[room:]
+            del self._tail[:-TAIL]
 
     def _emit(self, newline: int) -> tuple[int, bytes]:
-        line = (self.offset, bytes(self._kept))
+        line = (self.offset, capped(bytes(self._kept), bytes(self._tail)))
         self.offset += self._size + newline
         self._kept.clear()
+        self._tail.clear()
         self._size = 0
         return line
 

@@ -15,7 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from logtriage.follow import LineSplitter
-from logtriage.ingest.reader import MAX_LINE
+from logtriage.ingest.reader import MAX_LINE, TAIL, iter_raw_lines
+from logtriage.ingest.sources import Source
 from tests.fuzz.budget import TRIED, fuzz_settings
 from tests.fuzz.cli import ROOT, assert_clean_exit, environment, run_cli
 from tests.fuzz.strategies import log_bytes, physical_lines
@@ -61,7 +62,21 @@ def test_line_splitter_bounds_an_overlong_line():
     for _ in range(5):
         got += splitter.feed(b"x" * MAX_LINE)
     got += splitter.feed(b"\nnext\n")
-    assert [(o, len(r)) for o, r in got] == [(0, MAX_LINE), (5 * MAX_LINE + 1, 4)]
+    # head, the ` [...] ` mark, the last 64 KiB (ingest.reader keeps the same)
+    assert [(o, len(r)) for o, r in got] == [(0, MAX_LINE + 7 + TAIL), (5 * MAX_LINE + 1, 4)]
+
+
+def test_line_splitter_keeps_what_the_reader_keeps_of_an_overlong_line(tmp_path):
+    """The end of a huge line is where a glued rank line sits: --follow must not lose it."""
+    data = b"a" * (MAX_LINE + 5000) + b"[rank1]: RuntimeError: boom\nshort\n" + b"b" * (MAX_LINE + 3)
+    (tmp_path / "long.log").write_bytes(data)
+    expected = list(iter_raw_lines(Source(0, "long.log", tmp_path / "long.log")))
+    splitter, got = LineSplitter(), []
+    for at in range(0, len(data), 70_000):
+        got += splitter.feed(data[at:at + 70_000])
+    got += splitter.flush()
+    assert got == expected
+    assert got[0][1] == b"a" * MAX_LINE + b" [...] " + b"a" * 5000 + b"[rank1]: RuntimeError: boom"
 
 
 def test_stdin_that_stays_open_gets_findings_line_by_line():

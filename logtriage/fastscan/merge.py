@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from logtriage.fastscan.flags import CANDIDATE, INHERIT, NOT_PLAIN, STEP, STEP2
-from logtriage.ingest.reader import MAX_LINE, TAIL
+from logtriage.ingest.reader import MAX_LINE, TAIL, capped
 from logtriage.scan import LineScanner, SlotStats, note_step
 
 LUT_RANKS = 1 << 20
@@ -93,8 +93,8 @@ class ChunkMerger:
                 if length <= MAX_LINE:
                     raw = bytes(data[starts[i]:ends[i]])
                 else:   # an overlong line: read only what the exact path keeps of it
-                    raw = bytes(data[starts[i]:starts[i] + MAX_LINE]) + b" [...] " + bytes(
-                        data[max(starts[i] + MAX_LINE, ends[i] - TAIL):ends[i]])
+                    raw = capped(bytes(data[starts[i]:starts[i] + MAX_LINE]),
+                                 bytes(data[max(starts[i] + MAX_LINE, ends[i] - TAIL):ends[i]]))
                 slots[i] = scanner.line(first_number + i, base + int(starts[i]), raw,
                                         may_match=bool(lines.flags[i] & (CANDIDATE | NOT_PLAIN)), index=False)
                 i += 1

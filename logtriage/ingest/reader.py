@@ -60,8 +60,7 @@ def iter_raw_lines(source: Source, tee: BinaryIO | None = None) -> Iterator[tupl
                 if size == MAX_LINE and not raw.endswith(b"\n"):
                     tail, rest = _rest_of_line(stream, tee)
                     size += rest
-                    tail = tail[:-1] if tail.endswith(b"\n") else tail
-                    raw = raw + b" [...] " + tail if tail else raw
+                    raw = capped(raw, tail[:-1] if tail.endswith(b"\n") else tail)
                 elif raw.endswith(b"\n"):
                     raw = raw[:-1]
                 yield offset, raw
@@ -72,6 +71,12 @@ def iter_raw_lines(source: Source, tee: BinaryIO | None = None) -> Iterator[tupl
         except OSError as exc:
             raise InputError(f"{source.name}: read error after {offset} bytes "
                              f"({exc.strerror or exc})") from None
+
+
+def capped(head: bytes, tail: bytes) -> bytes:
+    """What is kept of an overlong line: its first MAX_LINE bytes and, after a ` [...] ` mark,
+    its last TAIL bytes (where a glued rank line would be). Every reader keeps this shape."""
+    return head + b" [...] " + tail if tail else head
 
 
 def _rest_of_line(stream: BinaryIO, tee: BinaryIO | None) -> tuple[bytes, int]:
