@@ -142,6 +142,40 @@ def progress(run: Run, loader: DataLoader):
     return tqdm(loader, desc=f"rank {run.rank}", file=sys.stderr, mininterval=0)
 
 
+def numbered_batches(run: Run, loader: DataLoader, sampler: DistributedSampler):
+    """(step, inputs, targets) over one epoch, steps counted from 1: the loop every script runs."""
+    sampler.set_epoch(0)
+    for step, (inputs, targets) in enumerate(progress(run, loader), start=1):
+        yield step, inputs, targets
+
+
+@dataclass(frozen=True)
+class Training:
+    """The standard run: DDP model, sharded loader and SGD, built the DDP way."""
+
+    run: Run
+    model: nn.Module
+    loader: DataLoader
+    sampler: DistributedSampler
+    optimizer: torch.optim.Optimizer
+
+    @classmethod
+    def start(cls, args: argparse.Namespace) -> "Training":
+        run = setup(args)
+        model = build_model(run)
+        loader, sampler = build_loader(run)
+        return cls(run, model, loader, sampler, torch.optim.SGD(model.parameters(), lr=0.05))
+
+    def batches(self):
+        return numbered_batches(self.run, self.loader, self.sampler)
+
+    def step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """One training step, printed as `[rank R] step S loss L`."""
+        loss = train_step(self.run, self.model, self.optimizer, inputs, targets)
+        report_step(self.run, step, loss)
+        return loss
+
+
 def save_checkpoint(run: Run, model: nn.Module, path: str) -> None:
     """Rank 0 writes, then everyone waits at a barrier before anyone reads it."""
     if run.rank == 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import torch
-from _common import (build_loader, build_model, finish, launch, make_parser, progress,
+from _common import (build_loader, build_model, finish, launch, make_parser, numbered_batches,
                      report_step, setup)
 from torch import nn
 
@@ -23,22 +23,18 @@ def main(args) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     dtype = torch.float16 if args.precision == "fp16" else torch.bfloat16
     scaler = torch.amp.GradScaler("cuda", enabled=args.precision == "fp16")
-    step = 0
-    for epoch in range(1):
-        sampler.set_epoch(epoch)
-        for inputs, targets in progress(run, loader):
-            step += 1
-            inputs, targets = inputs.to(run.device), targets.to(run.device)
-            if run.is_fault_rank and step >= args.fault_step:
-                inputs[0, 0] = float("nan")
-            optimizer.zero_grad()
-            with torch.autocast("cuda", dtype=dtype):
-                loss = nn.functional.mse_loss(model(inputs).float(), targets)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            time.sleep(args.step_sleep)
-            report_step(run, step, loss.item(), f" scale {scaler.get_scale():.1f}")
+    for step, inputs, targets in numbered_batches(run, loader, sampler):
+        inputs, targets = inputs.to(run.device), targets.to(run.device)
+        if run.is_fault_rank and step >= args.fault_step:
+            inputs[0, 0] = float("nan")
+        optimizer.zero_grad()
+        with torch.autocast("cuda", dtype=dtype):
+            loss = nn.functional.mse_loss(model(inputs).float(), targets)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        time.sleep(args.step_sleep)
+        report_step(run, step, loss.item(), f" scale {scaler.get_scale():.1f}")
     finish(run)
 
 

@@ -13,8 +13,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from _common import (build_loader, build_model, finish, launch, make_parser, progress,
-                     report_step, setup, train_step)
+from _common import Training, finish, launch, make_parser
 from torch import nn
 
 
@@ -34,24 +33,17 @@ def resume(model_width: int, path: str, defect: str, device: torch.device) -> nn
 
 
 def main(args) -> None:
-    run = setup(args)
-    model = build_model(run)
-    loader, sampler = build_loader(run)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    training = Training.start(args)
+    run = training.run
     path = os.path.join(args.scratch, "last.pt")
-    step = 0
-    for epoch in range(1):
-        sampler.set_epoch(epoch)
-        for inputs, targets in progress(run, loader):
-            step += 1
-            loss = train_step(run, model, optimizer, inputs, targets)
-            report_step(run, step, loss)
-            if step == args.fault_step:
-                if run.rank == 0:
-                    torch.save(checkpoint_payload(model, args), path)
-                dist.barrier()
-                width = 64 if args.defect == "size_mismatch" else 32
-                resume(width, path, args.defect, run.device)
+    for step, inputs, targets in training.batches():
+        training.step(step, inputs, targets)
+        if step == args.fault_step:
+            if run.rank == 0:
+                torch.save(checkpoint_payload(training.model, args), path)
+            dist.barrier()
+            width = 64 if args.defect == "size_mismatch" else 32
+            resume(width, path, args.defect, run.device)
     finish(run)
 
 

@@ -13,8 +13,7 @@ import os
 import time
 
 import torch
-from _common import (build_loader, build_model, finish, launch, make_parser, progress,
-                     report_step, setup, train_step)
+from _common import Training, finish, launch, make_parser
 
 
 def write_slowly(state: dict, path: str) -> None:
@@ -29,30 +28,23 @@ def write_slowly(state: dict, path: str) -> None:
 
 
 def main(args) -> None:
-    run = setup(args)
-    model = build_model(run)
-    loader, sampler = build_loader(run)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    training = Training.start(args)
+    run, model = training.run, training.model
     os.makedirs(args.scratch, exist_ok=True)
     path = os.path.join(args.scratch, f"step_{args.fault_step}.pt")
-    step = 0
-    for epoch in range(1):
-        sampler.set_epoch(epoch)
-        for inputs, targets in progress(run, loader):
-            step += 1
-            loss = train_step(run, model, optimizer, inputs, targets)
-            report_step(run, step, loss)
-            if step != args.fault_step:
-                continue
-            if run.rank == 0:
-                if args.write == "partial":
-                    write_slowly(model.module.state_dict(), path)
-                else:
-                    time.sleep(1.0)  # evaluation before saving
-                    torch.save(model.module.state_dict(), path)
-            if run.rank == args.fault_rank:
-                time.sleep(0.5 if args.write == "partial" else 0.0)
-                model.module.load_state_dict(torch.load(path, map_location=run.device))
+    for step, inputs, targets in training.batches():
+        training.step(step, inputs, targets)
+        if step != args.fault_step:
+            continue
+        if run.rank == 0:
+            if args.write == "partial":
+                write_slowly(model.module.state_dict(), path)
+            else:
+                time.sleep(1.0)  # evaluation before saving
+                torch.save(model.module.state_dict(), path)
+        if run.rank == args.fault_rank:
+            time.sleep(0.5 if args.write == "partial" else 0.0)
+            model.module.load_state_dict(torch.load(path, map_location=run.device))
     finish(run)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from _common import (build_loader, finish, launch, make_parser, progress, report_step, setup)
+from _common import build_loader, finish, launch, make_parser, numbered_batches, report_step, setup
 from torch import nn
 
 
@@ -31,24 +31,20 @@ def main(args) -> None:
         dist.broadcast(param.data, src=0)
     loader, sampler = build_loader(run)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = 0
-    for epoch in range(1):
-        sampler.set_epoch(epoch)
-        for inputs, targets in progress(run, loader):
-            step += 1
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(inputs), targets)
-            loss.backward()
-            average_gradients(model, run.world_size)
-            optimizer.step()
-            metric = loss.detach().reshape(1).repeat(4)
-            if run.rank == args.fault_rank and step == args.fault_step and args.kind == "op":
-                dist.broadcast(metric, src=0)
-            elif run.rank == args.fault_rank and step == args.fault_step:
-                dist.all_reduce(odd_metric(metric, args.kind))
-            else:
-                dist.all_reduce(metric)
-            report_step(run, step, loss.item())
+    for step, inputs, targets in numbered_batches(run, loader, sampler):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        average_gradients(model, run.world_size)
+        optimizer.step()
+        metric = loss.detach().reshape(1).repeat(4)
+        if run.rank == args.fault_rank and step == args.fault_step and args.kind == "op":
+            dist.broadcast(metric, src=0)
+        elif run.rank == args.fault_rank and step == args.fault_step:
+            dist.all_reduce(odd_metric(metric, args.kind))
+        else:
+            dist.all_reduce(metric)
+        report_step(run, step, loss.item())
     finish(run)
 
 

@@ -15,8 +15,8 @@ import os
 
 import torch
 import torch.distributed as dist
-from _common import (build_loader, finish, launch, make_parser, progress, report_step,
-                     say, train_step, Run)
+from _common import (Run, build_loader, finish, launch, make_parser, numbered_batches, report_step,
+                     say, train_step)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -39,13 +39,8 @@ def main(args) -> None:
     model = DDP(model, device_ids=[local_rank] if args.how == "ddp_device_ids" else None)
     loader, sampler = build_loader(run)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = 0
-    for epoch in range(1):
-        sampler.set_epoch(epoch)
-        for inputs, targets in progress(run, loader):
-            step += 1
-            loss = train_step(run, model, optimizer, inputs, targets)
-            report_step(run, step, loss)
+    for step, inputs, targets in numbered_batches(run, loader, sampler):
+        report_step(run, step, train_step(run, model, optimizer, inputs, targets))
     finish(run)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import torch
-from _common import (build_loader, finish, launch, make_parser, progress, report_step, setup)
+from _common import build_loader, finish, launch, make_parser, numbered_batches, report_step, setup
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -34,18 +34,14 @@ def main(args) -> None:
     model = DDP(TwoHeads().to(run.device), find_unused_parameters=False)
     loader, sampler = build_loader(run)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = 0
-    for epoch in range(1):
-        sampler.set_epoch(epoch)
-        for inputs, targets in progress(run, loader):
-            step += 1
-            use_aux = not (run.is_fault_rank and step >= args.fault_step)
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(inputs, use_aux=use_aux), targets)
-            loss.backward()
-            optimizer.step()
-            time.sleep(args.step_sleep)
-            report_step(run, step, loss.item())
+    for step, inputs, targets in numbered_batches(run, loader, sampler):
+        use_aux = not (run.is_fault_rank and step >= args.fault_step)
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs, use_aux=use_aux), targets)
+        loss.backward()
+        optimizer.step()
+        time.sleep(args.step_sleep)
+        report_step(run, step, loss.item())
     finish(run)
 
 

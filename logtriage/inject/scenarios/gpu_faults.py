@@ -14,8 +14,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from _common import (build_loader, build_model, finish, launch, make_parser, progress,
-                     report_step, setup, train_step)
+from _common import Training, finish, launch, make_parser
 from torch import nn
 
 
@@ -47,20 +46,12 @@ def main(args) -> None:
     if args.fault in ("duplicate_gpu", "invalid_ordinal"):
         setup_on_wrong_device(args)
         raise SystemExit(f"the {args.fault} fault did not trigger on this machine")
-    run = setup(args)
-    model = build_model(run)
-    loader, sampler = build_loader(run)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = 0
-    for epoch in range(1):
-        sampler.set_epoch(epoch)
-        for inputs, targets in progress(run, loader):
-            step += 1
-            if run.is_fault_rank and step == args.fault_step:
-                inject(run, args.fault)
-            loss = train_step(run, model, optimizer, inputs, targets)
-            report_step(run, step, loss)
-    finish(run)
+    training = Training.start(args)
+    for step, inputs, targets in training.batches():
+        if training.run.is_fault_rank and step == args.fault_step:
+            inject(training.run, args.fault)
+        training.step(step, inputs, targets)
+    finish(training.run)
 
 
 if __name__ == "__main__":

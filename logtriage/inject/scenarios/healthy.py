@@ -8,25 +8,15 @@ from __future__ import annotations
 
 import os
 
-import torch
-from _common import (build_loader, build_model, finish, launch, make_parser, progress,
-                     report_step, save_checkpoint, setup, train_step)
+from _common import Training, finish, launch, make_parser, save_checkpoint
 
 
 def main(args) -> None:
-    run = setup(args)
-    model = build_model(run)
-    loader, sampler = build_loader(run)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = 0
-    for epoch in range(1):
-        sampler.set_epoch(epoch)
-        for inputs, targets in progress(run, loader):
-            step += 1
-            loss = train_step(run, model, optimizer, inputs, targets)
-            report_step(run, step, loss)
-        save_checkpoint(run, model, os.path.join(args.scratch, f"epoch_{epoch}.pt"))
-    finish(run)
+    training = Training.start(args)
+    for step, inputs, targets in training.batches():
+        training.step(step, inputs, targets)
+    save_checkpoint(training.run, training.model, os.path.join(args.scratch, "epoch_0.pt"))
+    finish(training.run)
 
 
 if __name__ == "__main__":

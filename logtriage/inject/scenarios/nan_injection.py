@@ -12,7 +12,7 @@ import contextlib
 import time
 
 import torch
-from _common import (build_loader, build_model, finish, launch, make_parser, progress,
+from _common import (build_loader, build_model, finish, launch, make_parser, numbered_batches,
                      report_step, setup)
 from torch import nn
 
@@ -24,23 +24,19 @@ def main(args) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     anomaly = torch.autograd.detect_anomaly() if args.check == "anomaly" \
         else contextlib.nullcontext()
-    step = 0
     with anomaly:
-        for epoch in range(1):
-            sampler.set_epoch(epoch)
-            for inputs, targets in progress(run, loader):
-                step += 1
-                if run.is_fault_rank and step == args.fault_step:
-                    inputs = inputs.clone()
-                    inputs[0, 0] = float(args.value)
-                optimizer.zero_grad()
-                loss = nn.functional.mse_loss(model(inputs), targets)
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    model.parameters(), max_norm=1.0, error_if_nonfinite=args.check == "clip")
-                optimizer.step()
-                time.sleep(args.step_sleep)
-                report_step(run, step, loss.item(), f" grad_norm {grad_norm.item():.4f}")
+        for step, inputs, targets in numbered_batches(run, loader, sampler):
+            if run.is_fault_rank and step == args.fault_step:
+                inputs = inputs.clone()
+                inputs[0, 0] = float(args.value)
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(inputs), targets)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), max_norm=1.0, error_if_nonfinite=args.check == "clip")
+            optimizer.step()
+            time.sleep(args.step_sleep)
+            report_step(run, step, loss.item(), f" grad_norm {grad_norm.item():.4f}")
     finish(run)
 
 

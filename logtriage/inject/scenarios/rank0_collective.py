@@ -10,26 +10,18 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from _common import (build_loader, build_model, finish, launch, make_parser, progress,
-                     report_step, setup, train_step)
+from _common import Training, finish, launch, make_parser
 
 
 def main(args) -> None:
-    run = setup(args)
-    model = build_model(run)
-    loader, sampler = build_loader(run)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = 0
-    for epoch in range(1):
-        sampler.set_epoch(epoch)
-        for inputs, targets in progress(run, loader):
-            step += 1
-            loss = train_step(run, model, optimizer, inputs, targets)
-            report_step(run, step, loss)
-        if run.rank == 0:
-            val_loss = torch.tensor([loss])
-            dist.all_reduce(val_loss)
-            print(f"[rank 0] epoch {epoch} val_loss {val_loss.item() / run.world_size:.4f}")
+    training = Training.start(args)
+    run = training.run
+    for step, inputs, targets in training.batches():
+        loss = training.step(step, inputs, targets)
+    if run.rank == 0:
+        val_loss = torch.tensor([loss])
+        dist.all_reduce(val_loss)
+        print(f"[rank 0] epoch 0 val_loss {val_loss.item() / run.world_size:.4f}")
     if args.others == "barrier":
         finish(run)
     else:

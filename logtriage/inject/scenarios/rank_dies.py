@@ -11,9 +11,7 @@ import os
 import signal
 import sys
 
-import torch
-from _common import (build_loader, build_model, finish, launch, make_parser, progress,
-                     report_step, setup, train_step)
+from _common import Training, finish, launch, make_parser
 
 
 def die(how: str) -> None:
@@ -26,20 +24,12 @@ def die(how: str) -> None:
 
 
 def main(args) -> None:
-    run = setup(args)
-    model = build_model(run)
-    loader, sampler = build_loader(run)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = 0
-    for epoch in range(1):
-        sampler.set_epoch(epoch)
-        for inputs, targets in progress(run, loader):
-            step += 1
-            if run.is_fault_rank and step == args.fault_step:
-                die(args.how)
-            loss = train_step(run, model, optimizer, inputs, targets)
-            report_step(run, step, loss)
-    finish(run)
+    training = Training.start(args)
+    for step, inputs, targets in training.batches():
+        if training.run.is_fault_rank and step == args.fault_step:
+            die(args.how)
+        training.step(step, inputs, targets)
+    finish(training.run)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,7 @@ import os
 import threading
 import time
 
-import torch
-from _common import (build_loader, build_model, finish, launch, logger, make_parser, progress,
-                     report_step, setup, train_step)
+from _common import Training, finish, launch, logger, make_parser
 
 
 def lookup_target(batch: dict, step: int, faulty: bool):
@@ -24,28 +22,21 @@ def lookup_target(batch: dict, step: int, faulty: bool):
 
 
 def main(args) -> None:
-    run = setup(args)
-    model = build_model(run)
-    loader, sampler = build_loader(run)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    training = Training.start(args)
+    run = training.run
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    step = 0
-    for epoch in range(1):
-        sampler.set_epoch(epoch)
-        for inputs, targets in progress(run, loader):
-            step += 1
-            faulty = (run.is_fault_rank and step == args.fault_step
-                      and (args.fail_attempts == 0 or attempt < args.fail_attempts))
-            if faulty and args.linger:
-                threading.Thread(target=time.sleep, args=(args.pg_timeout * 3,)).start()
-            try:
-                targets = lookup_target({"input": inputs, "target": targets}, step, faulty)
-            except KeyError:
-                if args.log_format:
-                    logger.exception("failed to compute per-token loss at step %d", step)
-                raise
-            loss = train_step(run, model, optimizer, inputs, targets)
-            report_step(run, step, loss)
+    for step, inputs, targets in training.batches():
+        faulty = (run.is_fault_rank and step == args.fault_step
+                  and (args.fail_attempts == 0 or attempt < args.fail_attempts))
+        if faulty and args.linger:
+            threading.Thread(target=time.sleep, args=(args.pg_timeout * 3,)).start()
+        try:
+            targets = lookup_target({"input": inputs, "target": targets}, step, faulty)
+        except KeyError:
+            if args.log_format:
+                logger.exception("failed to compute per-token loss at step %d", step)
+            raise
+        training.step(step, inputs, targets)
     finish(run)
 
 

@@ -14,10 +14,8 @@ import os
 import resource
 import tempfile
 
-import torch
 import torch.distributed as dist
-from _common import (build_loader, build_model, finish, launch, make_parser, progress,
-                     report_step, setup, train_step)
+from _common import Training, finish, launch, make_parser
 
 
 def open_sample_files(count: int) -> list:
@@ -42,20 +40,12 @@ def main(args) -> None:
         if not distributed:
             print(f"[rank {os.environ.get('RANK')}] running without init_process_group", flush=True)
         dist.get_rank()
-    run = setup(args)
-    model = build_model(run)
-    loader, sampler = build_loader(run)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = 0
-    for epoch in range(1):
-        sampler.set_epoch(epoch)
-        for inputs, targets in progress(run, loader):
-            step += 1
-            if run.is_fault_rank and step == args.fault_step and args.how == "fds":
-                exhaust_file_descriptors()
-            loss = train_step(run, model, optimizer, inputs, targets)
-            report_step(run, step, loss)
-    finish(run)
+    training = Training.start(args)
+    for step, inputs, targets in training.batches():
+        if training.run.is_fault_rank and step == args.fault_step and args.how == "fds":
+            exhaust_file_descriptors()
+        training.step(step, inputs, targets)
+    finish(training.run)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,7 @@ import sys
 import threading
 import time
 
-import torch
-from _common import (build_loader, build_model, finish, launch, make_parser, progress,
-                     report_step, setup, train_step)
+from _common import Training, finish, launch, make_parser, report_step, train_step
 
 
 class DDPWatchdog(threading.Thread):
@@ -48,26 +46,20 @@ class DDPWatchdog(threading.Thread):
 
 
 def main(args) -> None:
-    run = setup(args)
-    model = build_model(run)
-    loader, sampler = build_loader(run)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    training = Training.start(args)
+    run = training.run
     watchdog = DDPWatchdog(run.rank, args.watchdog_timeout)
     watchdog.start()
     log_lock = threading.Lock()
-    step = 0
     try:
-        for epoch in range(1):
-            sampler.set_epoch(epoch)
-            for inputs, targets in progress(run, loader):
-                step += 1
-                loss = train_step(run, model, optimizer, inputs, targets)
-                if run.is_fault_rank and step == args.fault_step:
-                    threading.Thread(target=log_lock.acquire, daemon=True).start()
-                    time.sleep(0.1)
-                    log_lock.acquire()  # the lock holder never lets go: this rank is stuck
-                report_step(run, step, loss)
-                watchdog.heartbeat()
+        for step, inputs, targets in training.batches():
+            loss = train_step(run, training.model, training.optimizer, inputs, targets)
+            if run.is_fault_rank and step == args.fault_step:
+                threading.Thread(target=log_lock.acquire, daemon=True).start()
+                time.sleep(0.1)
+                log_lock.acquire()  # the lock holder never lets go: this rank is stuck
+            report_step(run, step, loss)
+            watchdog.heartbeat()
     finally:
         watchdog.stop()
     finish(run)
