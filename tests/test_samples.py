@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from logtriage.api import TriageOptions, triage
+from logtriage.demux.clean import clean, decode
 from logtriage.regress.cases import compare, find_cases
 from tests.conftest import SAMPLES
 
@@ -24,9 +27,16 @@ def test_sample_diagnosis(case):
     if problems and case.expectation.known_miss:
         pytest.xfail(case.expectation.known_miss)
     assert problems == []
+    assert not case.expectation.known_miss, "diagnosed right now: drop its known_miss"
     rc = report["root_cause"]
     if case.expectation.verdict != "ok":
-        assert rc is not None and rc["line"] is None or rc["source"] is not None
+        assert rc is not None
+    if rc is not None and rc["line"] is not None:
+        # the root line is a real line of this case's input, and its text is that line's
+        source = Path(rc["source"])
+        assert source == case.log or case.log in source.parents
+        raw = source.read_bytes().split(b"\n")[rc["line"] - 1]
+        assert rc["text"] in clean(decode(raw))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
