@@ -3,9 +3,13 @@ checks line conservation: each physical line in exactly one stream, at its own l
 
 from __future__ import annotations
 
+import errno
 import io
 import os
-import resource
+import random
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,7 +20,7 @@ from logtriage.demux.clean import clean, decode
 from logtriage.ingest.reader import MAX_LINE, TAIL, iter_raw_lines
 from logtriage.ingest.sources import Source
 from tests.conftest import SAMPLES
-from tests.fuzz.cli import assert_clean_exit, run_cli
+from tests.fuzz.cli import ROOT, Outcome, assert_clean_exit, environment, run_cli
 from tests.fuzz.invariants import check_conservation, check_outputs
 
 RANK_EXCEPTION = SAMPLES / "cpu" / "rank_exception__np4.log"   # rank 2 KeyError, the others cascade
@@ -59,11 +63,12 @@ def test_binary_with_nul_bytes(tmp_path):
 
 
 def test_core_dump_sized_binary_is_quick(tmp_path):
-    data = os.urandom(8 << 20)
+    data = random.Random(0).randbytes(8 << 20)
     started = time.monotonic()
     run, report = triage_file(write(tmp_path, data))
     assert time.monotonic() - started < 30
-    assert report["verdict"] in ("ok", "failed", "hung")
+    assert (report["verdict"], report["findings"]) == ("ok", [])   # noise is no failure
+    assert report["input_lines"] == data.count(b"\n") + (not data.endswith(b"\n"))
 
 
 # -- encodings ----------------------------------------------------------------------------------
@@ -135,15 +140,20 @@ def test_hundred_megabyte_line(tmp_path):
         for _ in range((100 << 20) // len(chunk)):
             out.write(chunk)
         out.write(b"}\n[rank1]: Traceback (most recent call last):\n[rank1]: RuntimeError: boom\n")
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     started = time.monotonic()
-    out = run_cli(str(path), "--format", "json", timeout=120)
-    elapsed = time.monotonic() - started
-    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "logtriage", str(path), "--format", "json"],
+                                stdout=stdout, stderr=stderr, env=environment(), cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)     # this run's own peak, not the session's largest child
+        elapsed = time.monotonic() - started
+        stdout.seek(0)
+        stderr.seek(0)
+        out = Outcome(os.waitstatus_to_exitcode(status), stdout.read(), stderr.read())
+    peak_mb = usage.ru_maxrss / 1024
     assert_clean_exit(out)
     assert out.code == 0 and b'"input_lines": 4' in out.stdout and b'"rank": 1' in out.stdout
     assert elapsed < 60, elapsed
-    assert peak_mb < 1500 or peak_mb <= before / 1024, peak_mb
+    assert peak_mb < 1500, peak_mb
 
 
 def _iter_bytes(data: bytes, source: Source, tee):
@@ -202,18 +212,27 @@ def test_folder_with_a_file_that_fails_to_read_even_as_root(tmp_path):
     assert b"warning:" in out.stderr and b"rank0.log" in out.stderr
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a chmod 000 file anyway; see the /proc/self/mem test")
-def test_folder_with_a_chmod_000_file(tmp_path):
+def test_folder_with_a_chmod_000_file(tmp_path, monkeypatch):
     logs = tmp_path / "logs"
     logs.mkdir()
     secret = logs / "rank0.log"
     secret.write_text("[rank0]: KeyError: 0\n")
     secret.chmod(0)
+    if os.geteuid() == 0:
+        # root reads a chmod 000 file anyway (CI runs as root): the OS answers as it does to anyone else
+        from logtriage.ingest import reader
+
+        def refusing(file, *args, **kwargs):
+            if Path(file) == secret:
+                raise PermissionError(errno.EACCES, "Permission denied", str(file))
+            return open(file, *args, **kwargs)
+
+        monkeypatch.setattr(reader, "open", refusing, raising=False)
     (logs / "rank1.log").write_text("[rank1]: KeyError: 1\n")
     try:
         run = run_triage([str(logs)])
         assert run.report.root_cause.rank == 1
-        assert any("permission denied" in p for p in run.report.problems)
+        assert any("permission denied" in p.lower() for p in run.report.problems)
     finally:
         secret.chmod(0o644)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import platform
 import socket
 
 import pytest
@@ -45,11 +46,17 @@ def test_environment_line_is_one_prefixed_json_line_that_parses_back():
     assert "gloo" in data["backends"]
 
 
-def test_probe_line_holds_no_host_name():
+def test_probe_line_holds_no_host_name(monkeypatch):
+    # a name no real line could hold by chance (this machine's own host name is 2 letters)
+    host = "probe-sentinel-host"
+    monkeypatch.setattr(socket, "gethostname", lambda: host)
+    monkeypatch.setattr(platform, "node", lambda: host)
+    for name, value in (("HOSTNAME", host), ("MASTER_ADDR", host), ("SLURM_JOB_NODELIST", host),
+                        ("NCCL_COMM_ID", f"{host}:29500"), ("NCCL_SOCKET_IFNAME", "eth0")):
+        monkeypatch.setenv(name, value)
     line = probe.environment_line()
-    host = socket.gethostname()
-    if len(host) >= 4 and host not in ("localhost",):
-        assert host not in line
+    assert host not in line
+    assert '"NCCL_SOCKET_IFNAME":"eth0"' in line     # the filter keeps what is not a host
 
 
 def test_probe_without_torch_says_why(monkeypatch):
