@@ -27,6 +27,7 @@ def test_prefix_with_a_5000_digit_rank_is_not_a_prefix(line):
     p = strip_prefixes(line, Dialect(srun=True))
     assert p.rank is None or p.rank < 10**12
     assert line.endswith(p.text)
+    assert (p.rank, p.text) == (None, line)          # not a prefix at all: nothing is stripped
 
 
 @pytest.mark.parametrize("line", [
@@ -40,6 +41,19 @@ def test_launcher_line_with_huge_numbers_is_ignored(line):
     facts = LauncherFacts()
     facts.observe(line)
     assert facts.pid_to_rank() == {} and facts.teardown_pids == set() and facts.failed_lines == 0
+
+
+@pytest.mark.parametrize("rank, pid, expected", [
+    ("3", "100", {100: 3}),          # the control: a summary entry pairs its rank with its pid
+    (HUGE, "100", {}),
+    ("3", HUGE, {}),
+])
+def test_child_failed_entry_pairs_rank_and_pid_only_with_sane_numbers(rank, pid, expected):
+    # the summary's `rank :` line only takes effect with the `exitcode :` line after it
+    facts = LauncherFacts()
+    facts.observe(f"  rank      : {rank} (local_rank: 0)")
+    facts.observe(f"  exitcode  : -6 (pid: {pid})")
+    assert facts.pid_to_rank() == expected
 
 
 def test_glog_header_with_huge_pid_is_not_a_header():
@@ -110,3 +124,6 @@ def test_child_failed_summary_with_huge_numbers(tmp_path, digits):
     log.write_text(_CFE_TEMPLATE.format(n="9" * digits))
     report = run_triage([str(log)]).report
     orjson.loads(orjson.dumps(report.to_dict()))
+    rc = report.root_cause
+    # the numbers are dropped, not converted: no rank (a 1-digit one gives rank 1), the SIGABRT stays
+    assert (report.verdict, rc.rule_id, rc.line, rc.rank, rc.ranks) == ("failed", "signal.sigabrt", 10, None, ())

@@ -56,6 +56,7 @@ def test_a_rule_with_only_the_required_fields_loads_and_explains_a_failure(tmp_p
     run = run_triage([str(log)], TriageOptions(patterns_dirs=(str(folder),)))
     assert run.catalog.problems == ()
     assert run.report.root_cause.rule_id in ("user.bad_shard", "python.exception")
+    assert run.report.root_cause.rule_id == "user.bad_shard"       # the user's rule explains it
     hit = next(f for f in run.report.findings if f.rule_id == "user.bad_shard")
     assert (hit.rank, hit.line, dict(hit.captures)) == (3, 2, {"rank": "3"})
 
@@ -117,8 +118,12 @@ def test_broken_rule_names_file_and_line_and_the_rest_still_run(tmp_path):
     assert strict.code == 4 and b"a_broken.toml:5" in strict.stderr and strict.stdout == b""
 
 
-@pytest.mark.parametrize("pattern", [r"(?P<x>a)(?P<x>b)", r"a{100000}", r"\p{NoSuchClass}"])
-def test_patterns_neither_engine_accepts_are_problems_not_crashes(tmp_path, pattern):
+@pytest.mark.parametrize("pattern, loads", [
+    (r"(?P<x>a)(?P<x>b)", True),      # RE2 refuses it, the time-limited `regex` engine takes it
+    (r"a{100000}", True),
+    (r"\p{NoSuchClass}", False),      # neither engine: a named problem, the run goes on
+])
+def test_odd_patterns_load_on_the_fallback_engine_or_are_named_problems(tmp_path, pattern, loads):
     folder = rules_dir(tmp_path, odd=minimal_rule("user.odd", pattern))
     log = tmp_path / "run.log"
     log.write_text("[rank0]: KeyError: 1\n")
@@ -126,3 +131,6 @@ def test_patterns_neither_engine_accepts_are_problems_not_crashes(tmp_path, patt
     assert run.report.root_cause.rank == 0
     loaded = any(c.rule.id == "user.odd" for c in run.catalog.rules)
     assert loaded or any("odd.toml" in p for p in run.catalog.problems)
+    assert loaded is loads
+    problems = [p for p in run.catalog.problems if "odd.toml" in p]
+    assert problems == ([] if loads else [f"{folder / 'odd.toml'}:5: user.odd: pattern 1 does not compile: unknown property at position 15"])
