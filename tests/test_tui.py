@@ -71,6 +71,7 @@ async def test_choosing_a_rank_shows_its_first_error_and_r_returns_to_the_root_c
         assert stream_label(app) == "rank 1"
         assert cursor_line(app) == 43
         assert all(number in range(25, 44) or number < 25 for number, _ in visible(app))
+        assert [number for number, _ in visible(app)] == [6, 11, *range(26, 44)]   # rank 1's own lines
         await pilot.press("r")
         await settle(app, pilot)
         assert stream_label(app) == "rank 2" and cursor_line(app) == 24

@@ -80,6 +80,7 @@ async def test_tail_follows_a_growing_file_and_retriages_when_it_pauses(tmp_path
                 break
         await settle(app, pilot)
         assert app.log_view.view.count == 6 or stream_label(app) == "rank 1"
+        assert app.view_mode is Mode.ALL and app.log_view.view.count == 6   # the whole log, grown
         assert app.triaged.run.report.verdict == "failed"
         assert app.store.total == 6
         assert "tail on" in app.query_one("#status").render().plain

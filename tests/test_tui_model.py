@@ -54,6 +54,7 @@ def test_line_starts_edge_cases(tmp_path, data):
                                      line_starts(fd, cut, len(data))))
             head = [s for s in expected if s < cut]
             assert joined.tolist()[:len(head)] == head
+            assert joined.tolist() == expected            # the second step's lines too
     finally:
         os.close(fd)
 
