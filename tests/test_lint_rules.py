@@ -54,6 +54,8 @@ def test_fixture_fires_exactly_where_annotated(path: Path) -> None:
         assert found == mark["ruleid"], (
             f"{rule_id} in {path.name}: fired on {sorted(found)}, annotated {sorted(mark['ruleid'])}")
         assert not found & mark["ok"], f"{rule_id} fired on near-miss lines {sorted(found & mark['ok'])}"
+    unannotated = {rule_id: sorted(lines) for rule_id, lines in got.items() if rule_id not in marks}
+    assert unannotated == {}, f"{path.name}: rules fired where nothing is annotated"
 
 
 @pytest.mark.parametrize("rule", all_rules(), ids=lambda r: r.id)

@@ -5,6 +5,7 @@ import torch.distributed as dist
 
 def load(args, local_rank):
     torch.cuda.set_device(local_rank)
+    # ruleid: PG201
     dist.init_process_group("nccl")
     # ruleid: CKP303
     state = torch.load(args.resume)
