@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 
 from logtriage.api import TriageOptions, triage
+from logtriage.demux.clean import clean, decode
+from logtriage.demux.prefixes import Dialect
+from logtriage.fastscan import driver
 from logtriage.regress.cases import find_cases
 from tests.conftest import ROOT, SAMPLES
 
@@ -17,14 +21,42 @@ CASES = find_cases(SAMPLES)
 
 def _both(path: str) -> tuple[dict, dict]:
     exact = triage([path], TriageOptions(engine="exact")).to_dict()
-    fast = triage([path], TriageOptions(engine="fast", workers=0)).to_dict()
+    fast, _ = _fast(path)
     return exact, fast
+
+
+def _fast(path: str) -> tuple[dict, list[str]]:
+    """The fast engine's report, and how it read each file: by "ranges" (its own code) or handed
+    to the "exact" scanner (launcher prefixes the compiled classifier does not parse)."""
+    taken: list[str] = []
+    with mock.patch.object(driver, "_file_ranges", side_effect=_record(taken, "ranges", driver._file_ranges)), \
+            mock.patch.object(driver, "_exact", side_effect=_record(taken, "exact", driver._exact)):
+        report = triage([path], TriageOptions(engine="fast", workers=0)).to_dict()
+    return report, taken
+
+
+def _record(taken: list[str], name: str, real):
+    def call(*args, **kwargs):
+        taken.append(name)
+        return real(*args, **kwargs)
+    return call
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_fast_scan_report_equals_exact_on_samples(case):
     exact, fast = _both(str(case.log))
     assert fast == exact
+
+
+def test_fast_scan_reads_plain_files_itself():
+    """Equality alone would pass if the fast engine handed every file to the exact scanner."""
+    paths = {c.name: c.log for c in CASES if c.log.is_file()}
+    taken = {name: _fast(str(log))[1] for name, log in paths.items()}
+    handed = sorted(name for name, how in taken.items() if how != ["ranges"])
+    assert len(paths) - len(handed) >= 300
+    for name in handed:   # only logs whose launcher prefixes (srun, hosts, collector stamps) it leaves alone
+        dialect = Dialect.detect(clean(decode(raw)) for raw in paths[name].read_bytes().split(b"\n")[:200])
+        assert taken[name] == ["exact"] and (dialect.srun or dialect.hosts or dialect.stamped), name
 
 
 @pytest.mark.parametrize("style", ["plain", "tee", "srun"])
@@ -34,9 +66,11 @@ def test_fast_scan_report_equals_exact_on_generated_logs(tmp_path, style, failur
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generate.py"), "--ranks", "16", "--size", "2M",
                     "--seed", "11", "--style", style, "--failure", failure, "--out", str(log)],
                    check=True, capture_output=True, timeout=300)
-    exact, fast = _both(str(log))
+    exact = triage([str(log)], TriageOptions(engine="exact")).to_dict()
+    fast, taken = _fast(str(log))
     assert fast == exact
     assert exact["input_lines"] == sum(s["lines"] for s in exact["streams"])
+    assert taken == (["exact"] if style == "srun" else ["ranges"])
 
 
 def test_fast_scan_with_worker_processes(tmp_path):
