@@ -88,27 +88,38 @@ def test_ctrl_c_during_a_long_run(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def forty_megabytes(tmp_path_factory):
-    return big_log(tmp_path_factory.mktemp("signals") / "big.log", 40)
+def big_enough(tmp_path_factory):
+    # large enough that the workers are still scanning well after they have started (about 0.3 s
+    # of worker time per 100 MB here)
+    return big_log(tmp_path_factory.mktemp("signals") / "big.log", 160)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc to see worker processes")
-@pytest.mark.parametrize("after", [0.0, 0.6], ids=["while-compiling", "while-scanning"])
-def test_ctrl_c_while_fast_scan_workers_run(forty_megabytes, after):
+@pytest.mark.parametrize("worker_ticks", [0, 5], ids=["while-starting", "while-scanning"])
+def test_ctrl_c_while_fast_scan_workers_run(big_enough, worker_ticks):
     """A big log takes the fast scan, whose worker processes get the terminal's SIGINT too: none
-    of them may print a traceback (nor numba's compile callbacks an "Exception ignored")."""
-    proc = start(str(forty_megabytes))
-    deadline = time.monotonic() + 20
-    while not _children(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if not _children(proc.pid):
-        proc.communicate(timeout=60)
-        pytest.skip("no worker process was started (fast scan off or single-process here)")
-    out, err = ctrl_c(proc, after)
-    if proc.returncode == 0 and err == b"":
-        pytest.skip("the run finished before the signal: nothing to interrupt")
+    of them may print a traceback (nor numba's compile callbacks an "Exception ignored"). The
+    signal goes when a worker exists (starting, numba loading) or has worked `worker_ticks`
+    clock ticks (scanning)."""
+    proc = start(str(big_enough))
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline:
+        children = _children(proc.pid)
+        if children and max(_cpu_ticks(c) for c in children) >= worker_ticks:
+            break
+        time.sleep(0.01)
+    assert _children(proc.pid), "no worker process was started"
+    out, err = ctrl_c(proc, 0.0)
     assert proc.returncode == 130, err
     assert err == b"triage: interrupted\n", err.decode(errors="replace")[-2000:]
+
+
+def _cpu_ticks(pid: str) -> int:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
 
 
 def _children(pid: int) -> list[str]:
