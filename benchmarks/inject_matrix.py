@@ -6,7 +6,7 @@ the console/launcher variants, world sizes 2-4 and fault ranks anywhere in the w
 
 The declared variants of `triage inject` fix world size and fault rank; this mixes them so a
 diagnosis that only works for rank 1 of 2, or only without --tee, shows up. A combination whose
-fault cannot happen as declared is not drawn: a checkpoint reader on the writing rank 0, a
+fault cannot happen as declared is not drawn: a
 `--local-ranks-filter 0` that would show the faulty rank after all. The base variant's
 environment wins over the added noise's (TORCH_DISTRIBUTED_DEBUG=DETAIL stays DETAIL).
 """
@@ -28,9 +28,6 @@ from logtriage.inject.noise import RANK_EXCEPTION_NOISE  # noqa: E402
 from logtriage.inject.runner import execute  # noqa: E402
 from logtriage.inject.sidecars import write_sidecars  # noqa: E402
 from logtriage.inject.workspace import DEFAULT_ROOT, WorkspaceLock, prepare  # noqa: E402
-
-NOT_RANK_ZERO = ("ckpt_no_barrier",)      # the fault rank reads what rank 0 writes
-
 
 def _faults() -> list[Scenario]:
     return [s for s in registry.all_scenarios()
@@ -58,7 +55,7 @@ def _draw(rng: random.Random, faults: list[Scenario], noise: list[Variant | None
         base = rng.choice(scenario.variants)
         nproc = rng.choice((2, 3, 4))
         fault_rank = rng.randrange(nproc)
-        if fault_rank == 0 and (scenario.name in NOT_RANK_ZERO or "--local-ranks-filter" in base.launcher_args):
+        if fault_rank == 0 and "--local-ranks-filter" in base.launcher_args:
             continue
         return scenario, base, rng.choice(noise), nproc, fault_rank
 

@@ -27,7 +27,7 @@ from logtriage.analysis.rootcause import (
     warning_root,
 )
 from logtriage.catalog.loader import Catalog
-from logtriage.catalog.rule import Category
+from logtriage.catalog.rule import Category, Role
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.scan import ScanResult, SlotStats
 
@@ -63,6 +63,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     stream_stats = _merge_stats(scan, keys)
     facts = _rank_facts(stream_stats, failures, findings, scan.world_size)
     root = choose_root(findings, facts)
+    if root is not None and root.rule.id in PEER_LEFT_RULES:
+        root = _peer_that_left(root, findings, facts, catalog)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
         root = _sigkill_on_gpu_job(root, catalog)
     if root is None:
@@ -127,6 +129,32 @@ def _rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure],
         if key.kind is StreamKind.RANK and s.last_step is not None:
             last_step[key.rank] = s.last_step
     return RankFacts(frozenset(known), exit_codes, frozenset(completed), last_step)
+
+
+# What a rank says when its peer's socket went away: the peer left first.
+PEER_LEFT_RULES = frozenset({"gloo.connection_closed", "gloo.connection_reset"})
+
+
+def _peer_that_left(root: RootCause, findings: list[Finding], facts: RankFacts, catalog: Catalog) -> RootCause:
+    """Only consequences were found, all of them a rank's peer closing or resetting the
+    connection: when exactly one known rank reported no error at all, that rank left first,
+    without a message (an exit in its own code, a process that ended early), and the failure
+    started there. A silent peer that exited cleanly is not the culprit: the rank left waiting
+    in a collective the others never called is."""
+    live = [f for f in findings if f.is_error and not f.is_teardown and f.rank is not None]
+    if root.rule.role is not Role.CASCADE_CANDIDATE or any(
+            f.role is not Role.EITHER and f.rule.id not in PEER_LEFT_RULES and f.stream.kind is StreamKind.RANK
+            for f in live):
+        return root
+    silent = facts.known - {f.rank for f in live}
+    if len(silent) != 1 or silent <= facts.completed:
+        return root     # a peer that finished cleanly left a rank alone in a collective: that rank's fault
+    peer = next(iter(silent))
+    rule = catalog.get("signal.exit_nonzero") or fallback_rule("signal.exit_nonzero", Category.UNKNOWN,
+                                                               "A worker exited with an error code and left no message")
+    return RootCause(rule, None, peer, (peer,), 0.35, (
+        f"rank {peer} printed no error, and every error found is another rank's peer connection "
+        f"closing ({root.rule.id}): rank {peer} left first, without a message",))
 
 
 def _exit_only_root(failures: list[ChildFailure], catalog: Catalog) -> RootCause | None:

@@ -1,8 +1,9 @@
-"""Rank 0 saves a checkpoint without a barrier; another rank loads it too early.
+"""One rank saves a checkpoint without a barrier; another rank loads it too early.
 
-At --fault-step rank 0 evaluates (slowly) and then writes the checkpoint, with no barrier
+At --fault-step the saver (rank 0, or rank 1 when rank 0 is the fault rank: a rank reading its
+own file finds it complete) evaluates (slowly) and then writes the checkpoint, with no barrier
 before or after; the fault rank wants to resume from it right away. --write normal: the file
-is not there yet (FileNotFoundError). --write partial: rank 0 writes the bytes in two halves
+is not there yet (FileNotFoundError). --write partial: the saver writes the bytes in two halves
 with a pause, so the early reader finds a truncated zip archive.
 """
 
@@ -32,11 +33,12 @@ def main(args) -> None:
     run, model = training.run, training.model
     os.makedirs(args.scratch, exist_ok=True)
     path = os.path.join(args.scratch, f"step_{args.fault_step}.pt")
+    saver = 1 if args.fault_rank == 0 else 0
     for step, inputs, targets in training.batches():
         training.step(step, inputs, targets)
         if step != args.fault_step:
             continue
-        if run.rank == 0:
+        if run.rank == saver:
             if args.write == "partial":
                 write_slowly(model.module.state_dict(), path)
             else:
