@@ -77,14 +77,25 @@ def test_ctrl_c_while_waiting_on_a_pipe():
     assert err == b"triage: interrupted\n" and out == b""
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs Linux /proc to see the open log")
 def test_ctrl_c_during_a_long_run(tmp_path):
+    """The signal goes while triage has the log open (reading and matching it)."""
     log = big_log(tmp_path / "big.log", 8)
     proc = start(str(log))
-    out, err = ctrl_c(proc, 0.8)
-    if proc.returncode == 0:
-        pytest.skip("the run finished before the signal (a fast machine): nothing to interrupt")
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline and not _has_open(proc.pid, log):
+        time.sleep(0.005)
+    assert _has_open(proc.pid, log), "triage never had the log open"
+    out, err = ctrl_c(proc, 0.0)
     assert proc.returncode == 130, err
     assert err == b"triage: interrupted\n", err.decode(errors="replace")[-2000:]
+
+
+def _has_open(pid: int, path: Path) -> bool:
+    try:
+        return any(os.readlink(fd) == str(path) for fd in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="module")
