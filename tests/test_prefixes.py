@@ -46,6 +46,15 @@ def test_host_prefix_only_for_hosts_the_log_uses_widely():
     assert strip_prefixes("RuntimeError: boom", dialect).text == "RuntimeError: boom"
 
 
+def test_programs_naming_themselves_are_not_hosts():
+    # a Slurm log of failed steps (sample_logs/public7/itwinai472_*): "srun" starts most lines
+    sample = ["srun: error: node01: task 0: Exited with exit code 2", "srun: Terminating StepId=6666903.0",
+              "[2025-12-11T02:29:03.160] error: execve(): bash: No such file or directory"] * 5
+    dialect = Dialect.detect(sample)
+    assert dialect.hosts == frozenset()
+    assert strip_prefixes(sample[0], dialect).text == sample[0]
+
+
 def test_glued_lines_split_without_losing_text():
     for line in ["[rank 0] step 1 loss 0.1842[rank 1] step 1 loss 0.0765",
                  "    main(args)[rank1]:     main(args)",

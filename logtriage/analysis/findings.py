@@ -90,8 +90,9 @@ class Finding:
 
 
 def exception_type_of(text: str) -> str | None:
-    """`torch.OutOfMemoryError` of `torch.OutOfMemoryError: CUDA out of memory...`, else None."""
-    m = _EXCEPTION_TYPE.match(text)
+    """`torch.OutOfMemoryError` of `torch.OutOfMemoryError: CUDA out of memory...`, else None;
+    also when a paste in an issue tracker put Markdown emphasis around it (`**OSError: ...**`)."""
+    m = _EXCEPTION_TYPE.match(text.lstrip("*_`"))
     return m.group(1) if m else None
 
 

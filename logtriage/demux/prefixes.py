@@ -35,7 +35,10 @@ _TEMPLATE_LOCAL = re.compile(r"local(?:_rank)?[=:\s]?(\d{1,7})", re.IGNORECASE)
 _NOT_HOSTS = frozenset(
     "traceback file note warning warnings error info debug critical fatal exception failures time host rank "
     "exitcode error_file traceback root cause reason message http https std stdout stderr usage hint "
-    "what caused step epoch loss iteration args kwargs key value none true false".split())
+    "what caused step epoch loss iteration args kwargs key value none true false "
+    # programs that name themselves before their message (`srun: error: node01: task 0: ...`)
+    "srun slurmstepd sbatch salloc scontrol mpirun mpiexec orterun prterun bash sh python python3 "
+    "torchrun deepspeed accelerate pdsh ssh".split())
 _EXCEPTION_NAME = re.compile(r"(?:Error|Exception|Warning|Interrupt|Exit|Failure|Fault)$")
 
 
