@@ -93,11 +93,12 @@ CKPT_LOAD = Scenario(
 CKPT_NO_BARRIER = Scenario(
     name="ckpt_no_barrier", script="ckpt_no_barrier.py",
     code_bugs=(CodeBug.SAVE_WITHOUT_BARRIER,),
-    description="rank 0 saves a checkpoint without a barrier; another rank loads it too early",
+    description="one rank saves a checkpoint without a barrier; another rank loads it too early",
     expect=Expectation(FAILED, "checkpoint", "ckpt.not_found", RankRef.FAULT,
                        exception_type="FileNotFoundError",
-                       required_findings=("gloo.connection_closed",),
-                       note="rank {fault} opens the checkpoint before rank 0 has written it"),
+                       # no required cascade: the writer may be SIGTERMed while it sleeps, before
+                       # its gloo pair notices the reader's exit
+                       note="rank {fault} opens the checkpoint before the writer has written it"),
     evidence="No such file or directory",
     variants=(
         Variant("not_found_np2", script_args=("--write", "normal")),
