@@ -8,7 +8,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-ORDERED = [(re.compile(p, re.I | re.M), c) for p, c in [
+ORDERED = [(re.compile(p, re.IGNORECASE | re.MULTILINE), c) for p, c in [
     (r"CUDA out of memory|OutOfMemoryError|HIP out of memory", "gpu_oom"),
     (r"DefaultCPUAllocator|\bMemoryError\b|oom.kill|Out of memory: Kill", "host_oom"),
     (r"Detected mismatch between collectives|CollectiveFingerPrint|mismatch.*collective", "collective_mismatch"),
@@ -27,14 +27,15 @@ ORDERED = [(re.compile(p, re.I | re.M), c) for p, c in [
     (r"SIGSEGV|SIGABRT|SIGKILL|SIGBUS|Signals\.SIG|exitcode\s*:\s*-\d+|Segmentation fault", "crash_signal"),
     (r"^\S*(Error|Exception)\b:?", "python_exception"),
 ]]
-RANK = re.compile(r"\[(?:rank|Rank |RANK )(\d+)\]|\brank[ =:]+(\d+)|local_rank: (\d+)|^(\d+): ", re.I)
+RANK = re.compile(r"\[(?:rank|Rank |RANK )(\d+)\]|\brank[ =:]+(\d+)|local_rank: (\d+)|^(\d+): ", re.IGNORECASE)
 
 
 def diagnose(text: str) -> tuple[str, int | None]:
     for pattern, category in ORDERED:
         hit = pattern.search(text)
         if hit:
-            line = text[text.rfind("\n", 0, hit.start()) + 1:text.find("\n", hit.end()) % (len(text) + 1)]
+            end = text.find("\n", hit.end())
+            line = text[text.rfind("\n", 0, hit.start()) + 1:end if end >= 0 else len(text)]
             rank = RANK.search(line)
             return category, next((int(g) for g in rank.groups() if g), None) if rank else None
     return "unknown", None

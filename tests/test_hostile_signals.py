@@ -86,7 +86,7 @@ def test_ctrl_c_during_a_long_run(tmp_path):
     while proc.poll() is None and time.monotonic() < deadline and not _has_open(proc.pid, log):
         time.sleep(0.005)
     assert _has_open(proc.pid, log), "triage never had the log open"
-    out, err = ctrl_c(proc, 0.0)
+    _, err = ctrl_c(proc, 0.0)
     assert proc.returncode == 130, err
     assert err == b"triage: interrupted\n", err.decode(errors="replace")[-2000:]
 
@@ -120,7 +120,7 @@ def test_ctrl_c_while_fast_scan_workers_run(big_enough, worker_ticks):
             break
         time.sleep(0.01)
     assert _children(proc.pid), "no worker process was started"
-    out, err = ctrl_c(proc, 0.0)
+    _, err = ctrl_c(proc, 0.0)
     assert proc.returncode == 130, err
     assert err == b"triage: interrupted\n", err.decode(errors="replace")[-2000:]
 
