@@ -51,3 +51,24 @@ def test_sample_conserves_lines(case):
         data = path.read_bytes()
         physical += data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
     assert report["input_lines"] == physical
+
+
+# The folder holds only what the ranks wrote: a signal or a bare exit code is known from the
+# agent's console lines alone, so those runs are left out.
+LOG_DIRS = [c for c in CASES if c.log.is_file() and c.log.with_suffix("").is_dir()
+            and not (c.expectation.rule or "").startswith("signal.")]
+
+
+@pytest.mark.parametrize("case", LOG_DIRS, ids=[c.name for c in LOG_DIRS])
+def test_log_dir_copy_names_the_same_root(case):
+    """A run captured with `--log-dir` has a folder of per-rank files beside its console log: the
+    folder alone must give the same root cause (each file's tracebacks stay its own: block ids
+    once restarted per file, so rank 1's traceback merged with rank 0's and lost to its gloo error)."""
+    rc = triage([str(case.log.with_suffix(""))], TriageOptions()).to_dict()["root_cause"]
+    want = case.expectation
+    assert (rc["category"], rc["rule_id"], rc["exception_type"]) == (want.category, want.rule, want.exception_type)
+    assert rc["source"].startswith(str(case.log.with_suffix("")))
+    if want.rule != "dist.collective_mismatch":
+        # two ranks that each report the other's mismatch have no odd one out, and separate
+        # files say nothing about which rank printed first
+        assert rc["rank"] == want.rank

@@ -66,7 +66,6 @@ class Assigner:
         self.slots, self.facts, self.dialect = slots, facts, dialect
         self.rank_hint, self.attempt_hint = rank_hint, attempt_hint
         self.block: Block | None = None
-        self.block_count = 0
         self.last_slot = slots.fixed(StreamKind.UNATTRIBUTED)
         self.error_record_slot: int | None = None
         self.spawn_rank: int | None = None
@@ -179,8 +178,7 @@ class Assigner:
 
     # -- blocks -------------------------------------------------------------------------------
     def _open(self, kind: B.BlockKind, slot: int, text: str, bare: bool) -> Part:
-        self.block_count += 1
-        block = Block(kind, slot, self.block_count, bare)
+        block = Block(kind, slot, self.slots.next_block_id(), bare)
         if kind is B.BlockKind.TRACEBACK:
             block.state["owner_hint"] = self.error_record_slot
             block.state["prefixed"] = not bare
@@ -215,9 +213,8 @@ class Assigner:
         self.error_record_slot = None
         if becomes_cfe:
             launcher = self.slots.fixed(StreamKind.LAUNCHER)
-            self.block_count += 1
-            self.block = Block(B.BlockKind.CHILD_FAILED, launcher, self.block_count, False)
-            self.blocks[self.block_count] = (B.BlockKind.CHILD_FAILED, launcher)
+            self.block = Block(B.BlockKind.CHILD_FAILED, launcher, self.slots.next_block_id(), False)
+            self.blocks[self.block.block_id] = (B.BlockKind.CHILD_FAILED, launcher)
 
     def _bare_owner(self, block: Block, exception: str, becomes_cfe: bool) -> int:
         slots = self.slots

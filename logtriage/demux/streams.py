@@ -54,6 +54,11 @@ class SlotTable:
     keys: list[tuple] = field(default_factory=list)
     _index: dict[tuple, int] = field(default_factory=dict)
     redirect: dict[int, int] = field(default_factory=dict)
+    blocks_opened: int = 0     # block ids are unique across all sources of one run
+
+    def next_block_id(self) -> int:
+        self.blocks_opened += 1
+        return self.blocks_opened
 
     def slot(self, key: tuple) -> int:
         index = self._index.get(key)
