@@ -66,9 +66,14 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=60)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--workdir", type=Path, default=DEFAULT_ROOT)
+    parser.add_argument("--noise", help="always this console/launcher variant (e.g. tee3_logdir_record)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     faults, noise = _faults(), _noise()
+    if args.noise:
+        noise = [v for v in noise if v is not None and v.name == args.noise]
+        if not noise:
+            parser.error(f"no usable noise variant named {args.noise!r}")
     args.out.mkdir(parents=True, exist_ok=True)
     with WorkspaceLock(args.workdir):
         workspace = prepare(args.workdir)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from logtriage.api import run_triage
+from logtriage.demux.blocks import BlockKind, continues
 from logtriage.demux.streams import StreamKind
 from tests.conftest import ROOT, SAMPLES
 
@@ -85,3 +86,21 @@ def test_exit_codes_own_failure_and_killed_agree_on_launcher_and_shell_forms():
         [False, False, True, True, True, False, False, True]
     assert [is_killed(c) for c in (None, 0, 1, -6, -9, -15, 143, 137)] == \
         [False, False, False, False, True, True, True, True]
+
+
+def test_a_traceback_pasted_without_its_indentation_stays_one_block():
+    # sample_logs/public6/msswift3343_*: the issue tracker lost the frames' indentation
+    lines = ['File "/opt/conda/lib/python3.10/runpy.py", line 196, in _run_module_as_main',
+             "return _run_code(code, main_globals, None,",
+             'File "/opt/a.py", line 355, in wrapper', "return f(*args, **kwargs)", "^^^^^^^^^^^^^^^^^^",
+             'File "<frozen runpy>", line 88, in _run_code',
+             'File "/opt/b.py", line 3, in f', "main", "KeyError: 3"]
+    state: dict = {}
+    assert all(continues(BlockKind.TRACEBACK, line, state) for line in lines)
+    assert state["exception"] == "KeyError: 3"
+    assert not continues(BlockKind.TRACEBACK, "step 5 loss 0.1", state)
+    # a frame whose source is not shown, straight before the exception line
+    state = {}
+    assert continues(BlockKind.TRACEBACK, 'File "<string>", line 1, in <module>', state)
+    assert continues(BlockKind.TRACEBACK, "torch.OutOfMemoryError: CUDA out of memory.", state)
+    assert state["exception"] == "torch.OutOfMemoryError: CUDA out of memory."

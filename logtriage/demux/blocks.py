@@ -70,6 +70,10 @@ def continues(kind: BlockKind, text: str, state: dict) -> bool:
 MAX_MESSAGE_LINES = 40
 _NEW_RECORD = re.compile(r"^(?:\[?[IWEFC]\d{4} \d\d:|\[?\d{4}-\d\d-\d\d[ T_]|\S+\.py:\d+: \w*Warning:|[A-Z][A-Z0-9_]*_JSON=)")
 _MESSAGE_DETAIL = re.compile(r"^(?:nccl[A-Z]\w*: |Last error:|NCCL version )")
+# A paste that lost its indentation: `File "x.py", line 3, in f` at column 0, then the code line.
+_BARE_FRAME = re.compile(r'^File "[^"]*", line \d+')
+_CARETS = re.compile(r"^[\^~ ]+$")
+_TYPE_NAME = re.compile(r"^(?:\w+\.)+\w+$|(?:Error|Exception|Interrupt|Exit|Warning)$")
 
 
 def _continues_traceback(text: str, state: dict) -> bool:
@@ -84,6 +88,18 @@ def _continues_traceback(text: str, state: dict) -> bool:
         return True
     if text[0] in " \t":
         return True  # frames, source lines, carets, indented message continuation
+    if not state.get("message"):
+        after = state.pop("bare", None)
+        if _BARE_FRAME.match(text):
+            state["bare"] = "frame"
+            return True
+        if after == "frame":
+            m = EXCEPTION_LINE.match(text)
+            if not (m and _TYPE_NAME.search(m.group("type"))):
+                state["bare"] = "code"
+                return True  # the frame's code line
+        elif after == "code" and _CARETS.match(text):
+            return True
     if state.get("message"):
         # Multi-line exception messages: under a rank prefix every line of the message keeps the
         # prefix (one write per traceback); bare, only NCCL's detail lines are recognisable.
