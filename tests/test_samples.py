@@ -66,9 +66,11 @@ def test_log_dir_copy_names_the_same_root(case):
     once restarted per file, so rank 1's traceback merged with rank 0's and lost to its gloo error)."""
     rc = triage([str(case.log.with_suffix(""))], TriageOptions()).to_dict()["root_cause"]
     want = case.expectation
-    assert (rc["category"], rc["rule_id"], rc["exception_type"]) == (want.category, want.rule, want.exception_type)
+    assert (rc["category"], rc["rule_id"]) == (want.category, want.rule)
+    if want.exception_type is not None:
+        assert rc["exception_type"] == want.exception_type
     assert rc["source"].startswith(str(case.log.with_suffix("")))
-    if want.rule != "dist.collective_mismatch":
+    if want.rank is not None and want.rule != "dist.collective_mismatch":
         # two ranks that each report the other's mismatch have no odd one out, and separate
         # files say nothing about which rank printed first
         assert rc["rank"] == want.rank

@@ -16,6 +16,7 @@ from logtriage.analysis.findings import Finding
 from logtriage.analysis.timestamps import clearly_before
 from logtriage.catalog.rule import Category, Role, Rule, Severity
 from logtriage.demux.streams import StreamKind
+from logtriage.scan import STEP
 
 
 class Verdict(str, Enum):
@@ -223,11 +224,26 @@ def _refine_rank(first: Finding, live: list[Finding], ranks: tuple[int, ...]) ->
     culprit (e.g. the rank whose loss went NaN first before every rank's grad-norm check failed)."""
     if first.category is not Category.NUMERICAL:
         return None
+    by_step = _first_step_per_rank([f for f in live if f.rule.id == first.rule.id and f.rank is not None])
+    if by_step:
+        lowest = min(by_step.values())
+        went_first = [r for r, step in by_step.items() if step == lowest]
+        if len(went_first) == 1 and len(by_step) > 1:
+            return went_first[0]   # ranks print at their own pace: the step, not the line order, says who went first
     signs = [f for f in live if f.category is first.category and f.rank is not None
              and f.signature != first.signature and f.role is not Role.CASCADE_CANDIDATE]
     if not signs:
         return None
     return earliest(signs).rank
+
+
+def _first_step_per_rank(findings: list[Finding]) -> dict[int, int]:
+    steps: dict[int, int] = {}
+    for f in sorted(findings, key=lambda f: f.seq):
+        m = STEP.search(f.text)
+        if m and f.rank is not None:
+            steps.setdefault(f.rank, int(m.group(1)))
+    return steps
 
 
 def _mismatch_odd_one_out(live: list[Finding]) -> int | None:
