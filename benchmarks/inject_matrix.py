@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from logtriage.inject import registry  # noqa: E402
 from logtriage.inject.model import Scenario, Variant  # noqa: E402
 from logtriage.inject.noise import RANK_EXCEPTION_NOISE  # noqa: E402
-from logtriage.inject.runner import execute  # noqa: E402
+from logtriage.inject.runner import execute, find_program  # noqa: E402
 from logtriage.inject.sidecars import write_sidecars  # noqa: E402
 from logtriage.inject.workspace import DEFAULT_ROOT, WorkspaceLock, prepare  # noqa: E402
 
@@ -35,7 +35,8 @@ def _faults() -> list[Scenario]:
 
 
 def _noise() -> list[Variant | None]:
-    usable = [v for v in RANK_EXCEPTION_NOISE if v.expect is None and "--local-ranks-filter" not in v.launcher_args]
+    usable = [v for v in RANK_EXCEPTION_NOISE if v.expect is None and "--local-ranks-filter" not in v.launcher_args
+              and all(find_program(p) for p in v.requires_programs)]
     return [*usable, None]
 
 

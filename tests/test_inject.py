@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -121,6 +122,10 @@ def test_commands_per_launcher():
     assert legacy[1:3] == ["-m", "torch.distributed.launch"]
     logdir = registry.make_plan(exception, exception.variant("tee3_logdir_record"))
     assert "--log-dir" in logdir.command(ws, 1) and logdir.variant.log_dir
+    mpirun = registry.make_plan(exception, exception.variant("mpirun_tag_output")).command(ws, 29999)
+    assert os.path.basename(mpirun[0]) == "mpirun" and mpirun[1:5] == ["--tag-output", "--oversubscribe", "-np", "2"]
+    assert "MASTER_PORT=29999" in mpirun and ws.display(" ".join(mpirun[mpirun.index("-x") + 4:])) == (
+        "python scenarios/rank_exception.py --fault-rank 1")
     healthy = registry.get_scenario("healthy")
     standalone = registry.make_plan(healthy, healthy.variant("standalone")).command(ws, 1)
     assert "--master-port" not in standalone and "--standalone" in standalone
@@ -141,6 +146,13 @@ def test_skip_reasons_for_gpu_and_missing_modules():
                               registry.get_scenario("rank_exception").variant("np2"),
                               backend=Backend.NCCL)
     assert "needs CUDA" in registry.skip_reason(nccl, registry.Machine(0))
+
+
+def test_mpirun_variant_is_skipped_without_mpirun(monkeypatch):
+    exception = registry.get_scenario("rank_exception")
+    plan = registry.make_plan(exception, exception.variant("mpirun_tag_output"))
+    monkeypatch.setattr(registry, "find_program", lambda name: None)
+    assert "needs the program 'mpirun'" in registry.skip_reason(plan, registry.Machine(0))
 
 
 def test_expect_toml_round_trips():

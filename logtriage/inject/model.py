@@ -32,6 +32,7 @@ class Launcher(str, Enum):
     RUN_MODULE = "python -m torch.distributed.run"
     LAUNCH_MODULE = "python -m torch.distributed.launch"
     MP_SPAWN = "mp.spawn"
+    MPIRUN = "mpirun --tag-output"   # Open MPI; each process maps OMPI_COMM_WORLD_* to RANK/WORLD_SIZE
 
 
 class RankRef(str, Enum):
@@ -145,6 +146,7 @@ class Variant:
     occupy_master_port: bool = False   # hold the master port open so the launcher cannot bind it
     log_dir: bool = False              # pass --log-dir and keep the per-rank tree beside the log
     requires_modules: tuple[str, ...] = ()
+    requires_programs: tuple[str, ...] = ()   # executables the launcher needs (mpirun)
     expect: Expectation | None = None
     evidence: str | None = None        # replaces the scenario's key message
     exit_code: int | None = None       # replaces the scenario's launcher exit code

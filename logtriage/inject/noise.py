@@ -1,7 +1,8 @@
 """Noise variants of the one-rank-exception scenario: the same fault, other console shapes.
 
 Launcher flags (tee, role, local-ranks filter, log dir), the prefix template, log levels,
-timestamped logging, progress bars, the environment probe line and other launchers. Only the
+timestamped logging, progress bars, the environment probe line and other launchers (mpirun
+--tag-output when Open MPI is installed). Only the
 local-ranks filter changes what the log can show: the culprit's traceback is hidden, so the
 diagnosis can only be "rank N exited with 1" (from the ChildFailedError block).
 """
@@ -42,6 +43,7 @@ RANK_EXCEPTION_NOISE = (
             requires_modules=("tqdm",)),
     Variant("python_m_run", launcher=Launcher.RUN_MODULE),
     Variant("legacy_launch", launcher=Launcher.LAUNCH_MODULE),
+    Variant("mpirun_tag_output", launcher=Launcher.MPIRUN, requires_programs=("mpirun",)),
     Variant("mp_spawn", launcher=Launcher.MP_SPAWN, evidence="ProcessRaisedException",
             expect=Expectation(Verdict.FAILED, "python_exception", "python.exception",
                                RankRef.FAULT, exception_type="KeyError",

