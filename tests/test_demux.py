@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from logtriage.analysis.childfailed import parse_child_failures
 from logtriage.api import run_triage
 from logtriage.demux.blocks import BlockKind, continues
 from logtriage.demux.streams import StreamKind
@@ -104,3 +105,21 @@ def test_a_traceback_pasted_without_its_indentation_stays_one_block():
     assert continues(BlockKind.TRACEBACK, 'File "<string>", line 1, in <module>', state)
     assert continues(BlockKind.TRACEBACK, "torch.OutOfMemoryError: CUDA out of memory.", state)
     assert state["exception"] == "torch.OutOfMemoryError: CUDA out of memory."
+
+
+def test_open_mpi_notices_are_launcher_failures_with_their_rank():
+    # real prterun 5 output (sample_logs/cpu_matrix/*mpirun_tag_output*): wrapped before "signal"
+    wrapped = [(0, 40, "prterun noticed that process rank 0 with PID 6245 on node vm exited on"),
+               (0, 41, "signal 9 (Killed).")]
+    one_line = [(0, 7, "mpirun noticed that process rank 3 with PID 0 on node n1 exited on signal 11 (Segmentation fault).")]
+    [first] = parse_child_failures(wrapped)
+    assert (first.rank, first.pid, first.exitcode, first.signal, first.line, first.is_root_cause) == \
+        (0, 6245, -9, "SIGKILL", 41, True)
+    [only] = parse_child_failures(one_line)
+    assert (only.rank, only.exitcode, only.signal, only.line) == (3, -11, "SIGSEGV", 7)
+    # a head whose signal line never came is not a failure
+    assert parse_child_failures(wrapped[:1] + [(0, 42, "something else")]) == []
+    # both lines go to the launcher stream, as one block
+    state: dict = {}
+    assert continues(BlockKind.MPI_NOTICE, "signal 9 (Killed).", state)
+    assert not continues(BlockKind.MPI_NOTICE, "signal 9 (Killed).", state)

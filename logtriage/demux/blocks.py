@@ -18,6 +18,7 @@ class BlockKind(str, Enum):
     FAULT = "fault"            # faulthandler dump
     NATIVE = "native"          # terminate called ... / what():
     WARNING = "warning"        # path:N: XWarning: msg + indented source line
+    MPI_NOTICE = "mpi_notice"  # Open MPI's "noticed that process rank N ... exited on" + "signal 9 (Killed)."
 
 
 TRACEBACK_START = re.compile(r"^Traceback \(most recent call last\):\s*$")
@@ -32,6 +33,9 @@ _FAULT_CONT = re.compile(r"^(?:\s|Current thread 0x|Thread 0x|Extension modules:
 NATIVE_START = re.compile(r"^terminate called (?:after throwing an instance of|without an active exception|recursively)")
 _NATIVE_CONT = re.compile(r"^(?:\s+what\(\): |Exception raised from |frame #\d+: |<omitting python frames>)")
 WARNING_START = re.compile(r"^\S.*?:\d+: [A-Z]\w*Warning: ")
+# Open MPI wraps its notice at 72 columns, so the signal often lands on the next line.
+MPI_NOTICE_START = re.compile(r"^(?:mpirun|prterun|mpiexec|orterun) noticed that process rank \d+ with PID \d+ on node \S+ exited on$")
+MPI_NOTICE_SIGNAL = re.compile(r"^signal (\d{1,3}) \(([^)]*)\)\.?$")
 BANNER_TITLE = re.compile(r"^== (.{2,60}) ==\s*$")
 BANNER_RULE = re.compile(r"^={5,}\s*$")
 _BANNER_CONT = re.compile(
@@ -62,6 +66,9 @@ def continues(kind: BlockKind, text: str, state: dict) -> bool:
         return bool(_NATIVE_CONT.match(text))
     if kind is BlockKind.WARNING:
         return text.startswith((" ", "\t"))
+    if kind is BlockKind.MPI_NOTICE:
+        state["ended"] = True
+        return bool(MPI_NOTICE_SIGNAL.match(text))
     if kind is BlockKind.BANNER:
         return bool(_BANNER_CONT.match(text))
     return False
