@@ -22,6 +22,7 @@ PLAIN = Dialect()
     ("[1,3]<stdout>:step 5 loss 2.1", 3, None, "step 5 loss 2.1"),                          # OpenMPI --tag-output
     ("[1,12]<stderr>:Traceback (most recent call last):", 12, None, "Traceback (most recent call last):"),
     ("[rank1]:", 1, None, ""),                                                              # only a prefix
+    ("[rank0]:[rank0]: RuntimeError: Missing key", 0, None, "RuntimeError: Missing key"),   # doubled (torch 2.6)
 ])
 def test_prefix_layers(line, rank, local, text):
     p = strip_prefixes(line, PLAIN)

@@ -77,9 +77,10 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = _cut_traceback(scan, keys, catalog)
     verdict = Verdict.FAILED if root is not None else Verdict.OK
     notes: list[str] = []
-    if root is None or root.rule.category in (Category.EXTERNAL_STOP, Category.UNKNOWN):
+    if root is None or root.rule.category in (Category.EXTERNAL_STOP, Category.UNKNOWN) or root.rule.role is Role.EITHER:
         # processes that never formed the group explain a start-up hang, a job stopped during
-        # one, or a failure whose own cause the log does not hold (when ranks were claimed twice)
+        # one, or a failure whose own cause the log does not hold or is ambiguous (a wrapper's
+        # announcement, an exit code) when ranks were claimed twice
         stopped = root is not None and root.rule.category is Category.EXTERNAL_STOP
         incomplete = world_incomplete(findings, catalog, root if stopped else None)
         if incomplete is not None and (root is None or stopped or incomplete.ranks):

@@ -34,6 +34,9 @@ _SIGNAL_RULES = {"SIGSEGV": "signal.sigsegv", "SIGABRT": "signal.sigabrt", "SIGB
 SELF_RANK_CAPTURES = ("self_rank", "pg_rank")
 _BLOCK_KINDS_WITH_ONE_EVENT = frozenset({"traceback", "native", "cpp", "fault"})
 _EXCEPTION_TYPE = re.compile(r"^((?:[A-Za-z_]\w*\.)*(?:[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)|Exception))(?::|$)")
+# What can stand before an exception line that the demuxer keeps: Markdown emphasis from an issue
+# tracker, and the elastic agent's glog header when it re-logs a worker's traceback.
+_BEFORE_EXCEPTION = re.compile(r"^(?:[*_`]+|[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] )")
 _WORKER_FIELDS = frozenset({"local_rank", "pid", "process", "task"})
 _INFO_LINE = re.compile(r"^\[?I\d{3,4} \d\d:\d\d:\d\d")
 _MASK = re.compile(r"0x[0-9a-fA-F]+|\d+")
@@ -91,8 +94,9 @@ class Finding:
 
 def exception_type_of(text: str) -> str | None:
     """`torch.OutOfMemoryError` of `torch.OutOfMemoryError: CUDA out of memory...`, else None;
-    also when a paste in an issue tracker put Markdown emphasis around it (`**OSError: ...**`)."""
-    m = _EXCEPTION_TYPE.match(text.lstrip("*_`"))
+    also after Markdown emphasis (`**OSError: ...**`) or the agent's glog header (`E0422 05:07:49.013000
+    204 .../api.py:732] RuntimeError: ...`)."""
+    m = _EXCEPTION_TYPE.match(_BEFORE_EXCEPTION.sub("", text, count=1))
     return m.group(1) if m else None
 
 

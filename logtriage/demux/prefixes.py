@@ -162,5 +162,8 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
     if m:
         rank = int(m.group(1))
         text = text[m.end():]
+        again = _EXCEPTHOOK.match(text)
+        if again and int(again.group(1)) == rank:
+            text = text[again.end():]   # torch 2.6+ can print the rank prefix twice: `[rank0]:[rank0]: `
         layers.append("excepthook" if not text.startswith("[") else "cpp")
     return Prefixes(text, rank, local, host, tuple(layers))
