@@ -50,11 +50,11 @@ def _combine(base: Variant, extra: Variant | None, nproc: int, fault_rank: int, 
     return replace(merged, name=f"{name}_np{nproc}_r{fault_rank}_{tag}", nproc=None, fault_rank=None)
 
 
-def _draw(rng: random.Random, faults: list[Scenario], noise: list[Variant | None]):
+def _draw(rng: random.Random, faults: list[Scenario], noise: list[Variant | None], sizes: tuple[int, ...]):
     while True:
         scenario = rng.choice(faults)
         base = rng.choice(scenario.variants)
-        nproc = rng.choice((2, 3, 4))
+        nproc = rng.choice(sizes)
         fault_rank = rng.randrange(nproc)
         if fault_rank == 0 and "--local-ranks-filter" in base.launcher_args:
             continue
@@ -68,6 +68,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--workdir", type=Path, default=DEFAULT_ROOT)
     parser.add_argument("--noise", help="always this console/launcher variant (e.g. tee3_logdir_record)")
+    parser.add_argument("--world-sizes", default="2,3,4", help="comma-separated world sizes to draw from")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     faults, noise = _faults(), _noise()
@@ -75,11 +76,12 @@ def main() -> int:
         noise = [v for v in noise if v is not None and v.name == args.noise]
         if not noise:
             parser.error(f"no usable noise variant named {args.noise!r}")
+    sizes = tuple(int(n) for n in args.world_sizes.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
     with WorkspaceLock(args.workdir):
         workspace = prepare(args.workdir)
         for i in range(args.count):
-            scenario, base, extra, nproc, fault_rank = _draw(rng, faults, noise)
+            scenario, base, extra, nproc, fault_rank = _draw(rng, faults, noise, sizes)
             variant = _combine(base, extra, nproc, fault_rank, f"m{args.seed}{i:02d}")
             plan = registry.make_plan(scenario, variant, None, nproc, fault_rank)
             result = execute(plan, workspace, args.out)
