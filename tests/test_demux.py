@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from logtriage.analysis.childfailed import parse_child_failures
-from logtriage.api import run_triage
+from logtriage.api import run_triage, triage
 from logtriage.demux.blocks import BlockKind, continues
 from logtriage.demux.streams import StreamKind
 from tests.conftest import ROOT, SAMPLES
@@ -123,3 +123,14 @@ def test_open_mpi_notices_are_launcher_failures_with_their_rank():
     state: dict = {}
     assert continues(BlockKind.MPI_NOTICE, "signal 9 (Killed).", state)
     assert not continues(BlockKind.MPI_NOTICE, "signal 9 (Killed).", state)
+
+
+def test_the_exception_line_is_reported_not_the_raise_line_above_it(tmp_path):
+    # a rule that names the exception type also matches the frame's code line `raise X(`
+    log = tmp_path / "r.log"
+    log.write_text('Traceback (most recent call last):\n  File "/x/api.py", line 3, in f\n'
+                   "    raise RendezvousConnectionError(\n"
+                   "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the "
+                   "C10d store has failed.\n")
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["line"]) == ("dist.rendezvous_connection", 4)

@@ -37,6 +37,7 @@ _EXCEPTION_TYPE = re.compile(r"^((?:[A-Za-z_]\w*\.)*(?:[A-Za-z_]\w*(?:Error|Exce
 # What can stand before an exception line that the demuxer keeps: Markdown emphasis from an issue
 # tracker, and the elastic agent's glog header when it re-logs a worker's traceback.
 _BEFORE_EXCEPTION = re.compile(r"^(?:[*_`]+|[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] )")
+_RAISE_LINE = re.compile(r"^\s+raise\b")
 _WORKER_FIELDS = frozenset({"local_rank", "pid", "process", "task"})
 _INFO_LINE = re.compile(r"^\[?I\d{3,4} \d\d:\d\d:\d\d")
 _MASK = re.compile(r"0x[0-9a-fA-F]+|\d+")
@@ -155,8 +156,12 @@ def _best_per_traceback(findings: list[Finding], block_kinds: dict[int, str]) ->
     for f in findings:
         if f.block_id >= 0 and f.is_error and not f.is_teardown and block_kinds.get(f.block_id) in _BLOCK_KINDS_WITH_ONE_EVENT:
             best[f.block_id] = max(best.get(f.block_id, -1), f.rule.priority)
-    return [f for f in findings
+    kept = [f for f in findings
             if not (f.block_id in best and f.is_error and not f.is_teardown and f.rule.priority < best[f.block_id])]
+    # a frame's code line (`raise RendezvousConnectionError(`) names the error too; the exception
+    # line of the same block is the one to report
+    said = {(f.block_id, f.rule.id) for f in kept if f.block_id >= 0 and not _RAISE_LINE.match(f.text)}
+    return [f for f in kept if not (_RAISE_LINE.match(f.text) and (f.block_id, f.rule.id) in said)]
 
 
 def _launcher_rank(hit: Hit, entry_rank: dict, local_to_rank: dict, pid_rank: dict) -> tuple[int | None, str]:
