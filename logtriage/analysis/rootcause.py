@@ -16,6 +16,7 @@ from logtriage.analysis.findings import Finding
 from logtriage.analysis.timestamps import clearly_before
 from logtriage.catalog.rule import Category, Role, Rule, Severity
 from logtriage.demux.streams import StreamKind
+from logtriage.rank_ranges import ranges
 from logtriage.scan import STEP
 
 
@@ -300,8 +301,11 @@ def _missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: Rank
         return RootCause(first.rule, first, only, (only,), 0.65, (
             f"every rank but {only} timed out in a collective: rank {only} never joined it",))
     if missing:
-        return RootCause(first.rule, first, missing[0], tuple(missing), 0.5, (
-            f"ranks {', '.join(map(str, missing))} never joined the collective the others timed out in",))
+        reasons = [f"ranks {ranges(missing, limit=8)} never joined the collective the others timed out in"]
+        if 0 in missing:
+            reasons.append("rank 0 is among them, and rank-0-only work (saving, evaluation, logging) is the "
+                           "usual reason one rank is late")
+        return RootCause(first.rule, first, 0 if 0 in missing else None, tuple(missing), 0.5, tuple(reasons))
     if len(timed_out) == 1:
         only = next(iter(timed_out))
         return RootCause(first.rule, first, only, (only,), 0.4, (
