@@ -283,7 +283,10 @@ def _rank_from_exit_codes(facts: RankFacts) -> int | None:
 def _missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankFacts) -> RootCause:
     first = earliest(timeouts)
     timed_out = {f.rank for f in timeouts if f.rank is not None}
-    missing = sorted(facts.known - timed_out)
+    # a rank whose wait ended on a peer's closed connection was in the collective too
+    in_collective = timed_out | {f.rank for f in live if f.rank is not None and f.role is Role.CASCADE_CANDIDATE
+                                 and f.category is Category.COLLECTIVE_ERROR}
+    missing = sorted(facts.known - in_collective)
     culprit = _culprit(live)
     if culprit is not None:
         return RootCause(first.rule, first, culprit, (culprit,), 0.75,
