@@ -121,6 +121,8 @@ def _rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure],
     known |= {f.rank for f in findings if f.rank is not None}
     if world_size and world_size <= 65536 and (not known or max(known) < world_size):
         known |= set(range(world_size))
+    elif known and max(known) <= 65536:
+        known |= set(range(max(known) + 1))   # ranks count from 0: the ones below a rank seen exist too
     exit_codes = {f.rank: f.exitcode for f in failures if f.rank is not None and f.exitcode is not None}
     completed: set[int] = set()
     if failures:
