@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from logtriage.analysis.childfailed import parse_child_failures
-from logtriage.api import run_triage, triage
+from logtriage.api import run_triage
 from logtriage.demux.blocks import BlockKind, continues
 from logtriage.demux.streams import StreamKind
 from tests.conftest import ROOT, SAMPLES
@@ -124,33 +124,3 @@ def test_open_mpi_notices_are_launcher_failures_with_their_rank():
     assert continues(BlockKind.MPI_NOTICE, "signal 9 (Killed).", state)
     assert not continues(BlockKind.MPI_NOTICE, "signal 9 (Killed).", state)
 
-
-def test_the_exception_line_is_reported_not_the_raise_line_above_it(tmp_path):
-    # a rule that names the exception type also matches the frame's code line `raise X(`
-    log = tmp_path / "r.log"
-    log.write_text('Traceback (most recent call last):\n  File "/x/api.py", line 3, in f\n'
-                   "    raise RendezvousConnectionError(\n"
-                   "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the "
-                   "C10d store has failed.\n")
-    rc = triage([str(log)]).to_dict()["root_cause"]
-    assert (rc["rule_id"], rc["line"]) == ("dist.rendezvous_connection", 4)
-
-
-def _timeouts_log(tmp_path, world: int, reporting: list[int]):
-    lines = [f"world_size={world}"]
-    for r in reporting:
-        lines.append(f"[rank{r}]:[E1130 10:00:0{r}.000000000 ProcessGroupNCCL.cpp:632] [Rank {r}] Watchdog caught "
-                     f"collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, "
-                     f"Timeout(ms)=600000) ran for 600001 milliseconds before timing out.")
-    log = tmp_path / "t.log"
-    log.write_text("\n".join(lines) + "\n")
-    return triage([str(log)]).to_dict()["root_cause"]
-
-
-def test_ranks_missing_from_a_timeout_name_one_culprit_only_when_one_is_missing(tmp_path):
-    rc = _timeouts_log(tmp_path, 4, [0, 1, 2])
-    assert (rc["category"], rc["rank"], rc["ranks"]) == ("collective_timeout", 3, [3])
-    rc = _timeouts_log(tmp_path, 8, [1, 2, 3])          # rank 0 among the silent: the usual laggard
-    assert (rc["rank"], rc["ranks"]) == (0, [0, 4, 5, 6, 7])
-    rc = _timeouts_log(tmp_path, 8, [0, 1, 2, 3])       # four silent ranks, none of them 0: no guess
-    assert (rc["rank"], rc["ranks"]) == (None, [4, 5, 6, 7])

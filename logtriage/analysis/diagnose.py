@@ -65,6 +65,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     root = choose_root(findings, facts)
     if root is not None and root.rule.id in PEER_LEFT_RULES:
         root = _peer_that_left(root, findings, facts, catalog)
+    if root is not None and root.rule.category is Category.EXTERNAL_STOP:
+        root = _stop_for_memory(root, findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
         root = _sigkill_on_gpu_job(root, catalog)
     if root is None:
@@ -171,6 +173,18 @@ def _exit_only_root(failures: list[ChildFailure], catalog: Catalog) -> RootCause
                                                                "A worker exited with an error code and left no message")
     return RootCause(rule, None, first.rank, (first.rank,) if first.rank is not None else (), 0.3,
                      (f"rank {first.rank} exited with code {first.exitcode}; its output holds no error",))
+
+
+def _stop_for_memory(root: RootCause, findings: list[Finding]) -> RootCause:
+    """A scheduler that stops a job for memory (Slurm's oom_kill event, an LSF/PBS memory limit,
+    a Kubernetes eviction) sends the SIGTERM first and says why after it: the reason is the root."""
+    memory = [f for f in findings if f.is_error and f.category is Category.HOST_OOM]
+    if not memory:
+        return root
+    first = memory[0]
+    return RootCause(first.rule, first, first.rank, (first.rank,) if first.rank is not None else (), 0.7, (
+        f"the job was stopped ({root.rule.id}) because it ran out of host memory: {first.rule.id} "
+        "says so after the stop signal",))
 
 
 def _sigkill_on_gpu_job(root: RootCause, catalog: Catalog) -> RootCause:

@@ -1,0 +1,52 @@
+"""Root-cause choices on small logs built from real message formats (each case names its source)."""
+
+from __future__ import annotations
+
+from logtriage.api import triage
+
+
+def test_the_exception_line_is_reported_not_the_raise_line_above_it(tmp_path):
+    # a rule that names the exception type also matches the frame's code line `raise X(`
+    log = tmp_path / "r.log"
+    log.write_text('Traceback (most recent call last):\n  File "/x/api.py", line 3, in f\n'
+                   "    raise RendezvousConnectionError(\n"
+                   "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the "
+                   "C10d store has failed.\n")
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["line"]) == ("dist.rendezvous_connection", 4)
+
+
+def _timeouts_log(tmp_path, world: int, reporting: list[int]):
+    lines = [f"world_size={world}"]
+    for r in reporting:
+        lines.append(f"[rank{r}]:[E1130 10:00:0{r}.000000000 ProcessGroupNCCL.cpp:632] [Rank {r}] Watchdog caught "
+                     f"collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, "
+                     f"Timeout(ms)=600000) ran for 600001 milliseconds before timing out.")
+    log = tmp_path / "t.log"
+    log.write_text("\n".join(lines) + "\n")
+    return triage([str(log)]).to_dict()["root_cause"]
+
+
+def test_ranks_missing_from_a_timeout_name_one_culprit_only_when_one_is_missing(tmp_path):
+    rc = _timeouts_log(tmp_path, 4, [0, 1, 2])
+    assert (rc["category"], rc["rank"], rc["ranks"]) == ("collective_timeout", 3, [3])
+    rc = _timeouts_log(tmp_path, 8, [1, 2, 3])          # rank 0 among the silent: the usual laggard
+    assert (rc["rank"], rc["ranks"]) == (0, [0, 4, 5, 6, 7])
+    rc = _timeouts_log(tmp_path, 8, [0, 1, 2, 3])       # four silent ranks, none of them 0: no guess
+    assert (rc["rank"], rc["ranks"]) == (None, [4, 5, 6, 7])
+
+
+
+def test_a_scheduler_memory_kill_explains_the_stop_signal_before_it(tmp_path):
+    # Slurm stops the job (torchrun gets SIGTERM), then slurmstepd says why: the OOM is the root
+    log = tmp_path / "s.log"
+    log.write_text(
+        "W1130 10:00:00.000000 100 torch/distributed/elastic/agent/server/api.py:700] Received Signals.SIGTERM "
+        "death signal, shutting down workers\n"
+        "torch.distributed.elastic.multiprocessing.api.SignalException: Process 100 got signal: 15\n"
+        "slurmstepd: error: Detected 1 oom_kill event in StepId=123.0. Some of the step tasks have been OOM "
+        "Killed.\n")
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["line"]) == ("host_oom", "sched.slurm_oom_kill", 3)
+    log.write_text("torch.distributed.elastic.multiprocessing.api.SignalException: Process 100 got signal: 15\n")
+    assert triage([str(log)]).to_dict()["root_cause"]["category"] == "external_stop"
