@@ -56,10 +56,19 @@ def stalled_in_nccl_init(scan: ScanResult, findings: list[Finding], facts: RankF
     init = [f for f in findings if f.rule.id == SETUP_RULE]
     started = [f for f in init if f.captures.get("bootstrap_if")]
     completed = [f for f in init if f.captures.get("complete")]
-    if facts.last_step or not init:
+    registered = [f for f in findings if f.rule.id == "launcher.lightning_member" and "registered" in f.captures]
+    if facts.last_step:
+        return None
+    if registered and not completed and _near_the_end(scan, registered[-1], 10):
+        rule = catalog.get("hang.after_nccl_init") or fallback_rule(
+            "hang.after_nccl_init", Category.HANG, "Output stopped right after the process group formed")
+        return RootCause(rule, registered[-1], None, (), 0.35, (
+            "every process registered (the group formed) within the log's last 10 lines, and no step, "
+            "error or exit came after",))
+    if not init:
         return None
     last = max(init, key=lambda f: (f.source, f.line))
-    if completed and last.source == len(scan.indexes) - 1 and len(scan.indexes[last.source].offsets) - last.line <= 50:
+    if completed and _near_the_end(scan, last, 50):
         rule = catalog.get("hang.after_nccl_init") or fallback_rule(
             "hang.after_nccl_init", Category.HANG, "Output stopped right after NCCL built its communicators")
         return RootCause(rule, completed[-1], None, (), 0.35, (
@@ -74,9 +83,16 @@ def stalled_in_nccl_init(scan: ScanResult, findings: list[Finding], facts: RankF
         "and nothing (no step, no error, no exit) came after",))
 
 
+def _near_the_end(scan: ScanResult, finding: Finding, lines: int) -> bool:
+    return (finding.source == len(scan.indexes) - 1
+            and len(scan.indexes[finding.source].offsets) - finding.line <= lines)
+
+
 def world_incomplete(findings: list[Finding], catalog: Catalog, stop: RootCause | None) -> RootCause | None:
     """Processes announced their global ranks (Lightning's MEMBER lines) and the ranks do not
     make up the world: repeated or missing ranks keep init_process_group waiting."""
+    if any(f.rule.id == "launcher.lightning_member" and "registered" in f.captures for f in findings):
+        return None   # the group formed: members not shown were cut from the paste
     members = [f for f in findings if f.rule.id == "launcher.lightning_member" and f.rank is not None]
     worlds = {int(f.captures["world"]) for f in members if f.captures.get("world", "").isdigit()}
     if not members or len(worlds) != 1:
