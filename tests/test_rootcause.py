@@ -50,3 +50,16 @@ def test_a_scheduler_memory_kill_explains_the_stop_signal_before_it(tmp_path):
     assert (rc["category"], rc["rule_id"], rc["line"]) == ("host_oom", "sched.slurm_oom_kill", 3)
     log.write_text("torch.distributed.elastic.multiprocessing.api.SignalException: Process 100 got signal: 15\n")
     assert triage([str(log)]).to_dict()["root_cause"]["category"] == "external_stop"
+
+
+def test_lightning_all_registered_means_the_group_formed(tmp_path):
+    # Lightning-AI/pytorch-lightning#9641: rank 0's MEMBER line is above the paste
+    log = tmp_path / "l.log"
+    log.write_text("initializing ddp: GLOBAL_RANK: 1, MEMBER: 2/2\n" + "-" * 100 + "\n"
+                   "distributed_backend=nccl\nAll DDP processes registered. Starting ddp with 2 processes\n"
+                   + "-" * 100 + "\n")
+    report = triage([str(log)]).to_dict()
+    assert (report["verdict"], report["root_cause"]["rule_id"]) == ("hung", "hang.after_nccl_init")
+    log.write_text("initializing ddp: GLOBAL_RANK: 1, MEMBER: 2/2\n")   # without the banner: rank 0 never came
+    report = triage([str(log)]).to_dict()
+    assert (report["verdict"], report["root_cause"]["rule_id"]) == ("hung", "launcher.world_incomplete")
