@@ -1,3 +1,3 @@
-from logtriage.cli import main
+from logtriage.cli import entry
 
-raise SystemExit(main())
+entry()

@@ -77,10 +77,12 @@ def _quiet_interrupts() -> None:
     compiling) is delivered again where it can stop the run, instead of printing "Exception
     ignored" with a traceback."""
     main_pid = os.getpid()
+    interrupted = []
 
     def on_sigint(signum, frame):
         if os.getpid() != main_pid:
             return
+        interrupted.append(True)
         raise KeyboardInterrupt
 
     default_hook = sys.unraisablehook
@@ -90,11 +92,30 @@ def _quiet_interrupts() -> None:
             # not from here: the hook is Python code, the interrupt would land in it again
             threading.Timer(0.05, _thread.interrupt_main).start()
             return
+        if interrupted:
+            # an object the interrupt left half-built (multiprocessing's Finalize) fails as it is
+            # collected: a side effect of stopping, not something to show
+            return
         default_hook(unraisable)
 
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, on_sigint)
     sys.unraisablehook = on_unraisable
+
+
+def entry() -> None:
+    """The `triage` command. After Ctrl-C the process leaves at once: the fast scan has killed its
+    workers, and the interpreter's exit would otherwise wait on the worker pool's threads, which
+    an interrupt can leave blocked for good."""
+    code = main()
+    if code == 130:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(130)
+    raise SystemExit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

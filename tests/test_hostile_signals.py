@@ -161,3 +161,25 @@ def test_ctrl_c_in_follow_mode_prints_the_report():
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0 and b"triage: FAILED" in out and b"Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc to see worker processes")
+def test_ctrl_c_at_worker_start_on_a_loaded_machine_never_hangs(big_enough):
+    """Under load the interrupt lands inside the worker pool's own bookkeeping (a worker being
+    started, a result half read): before the fix 2-4 runs in 15 hung for good (the interpreter
+    waited on the pool's threads, or a worker that was still starting outlived triage and held
+    the terminal's pipes). Two busy loops load the 2 cores; every run must end at once."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        for _ in range(10):
+            proc = start(str(big_enough))
+            deadline = time.monotonic() + 30
+            while proc.poll() is None and not _children(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            out, err = ctrl_c(proc, 0.0)
+            assert (proc.returncode, err) == (130, b"triage: interrupted\n"), err.decode(errors="replace")[-2000:]
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()

@@ -37,6 +37,7 @@ def fast_scan(sources: tuple[Source, ...], matcher: Matcher, progress: Callable[
     result = new_result(sources)
     prefilter = Prefilter(matcher.rules)
     pool = _pool(workers, prefilter)
+    finished = False
     try:
         for source in sources:
             index = SourceIndex()
@@ -46,10 +47,31 @@ def fast_scan(sources: tuple[Source, ...], matcher: Matcher, progress: Callable[
             except InputError as exc:
                 result.problems.append(str(exc))
                 result.unreadable.append(str(exc))
+        finished = True
     finally:
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            if finished:
+                pool.shutdown(wait=True, cancel_futures=True)
+            else:
+                _stop_workers(pool)
     return result
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Interrupted (Ctrl-C) or failed: kill the workers instead of waiting for them. A
+    KeyboardInterrupt can land inside the executor's own bookkeeping (while it starts a worker,
+    while it reads a result), and waiting on a pool left in that state never ends: the CLI then
+    leaves without the interpreter's wait for the pool's threads (cli.entry). A write the pool's
+    feeder thread still makes to a dead worker fails quietly instead of killing the process."""
+    try:
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    except (ValueError, AttributeError):   # not the main thread (the TUI scans in a worker thread)
+        pass
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        try:
+            process.kill()
+        except (OSError, ValueError, AttributeError):
+            pass
 
 
 def _scan_source(result, source, index, matcher, prefilter, pool, progress) -> None:
@@ -214,10 +236,25 @@ def _is_gzip(source: Source) -> bool:
         return False
 
 
-def _init_worker(prefilter) -> None:
+def _init_worker(prefilter, parent: int) -> None:
     global _PREFILTER
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
+    _die_with_parent(parent)
     _PREFILTER = prefilter
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this worker when the parent ends. A worker the parent was still
+    starting when Ctrl-C came is in no list the parent can kill from, and would otherwise wait
+    for work forever, holding the terminal's pipes."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)     # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:                     # the parent ended before that took effect
+        os._exit(0)
 
 
 def _pool(workers: int | None, prefilter) -> ProcessPoolExecutor | None:
@@ -227,7 +264,7 @@ def _pool(workers: int | None, prefilter) -> ProcessPoolExecutor | None:
     import multiprocessing
     context = multiprocessing.get_context("fork")
     return ProcessPoolExecutor(max_workers=count, mp_context=context, initializer=_init_worker,
-                               initargs=(prefilter,))
+                               initargs=(prefilter, os.getpid()))
 
 
 def _file_chunks(source: Source) -> Iterator[tuple[int, memoryview]]:
