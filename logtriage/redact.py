@@ -57,6 +57,8 @@ _SHORT_NUMBER = re.compile(r"^\d{1,8}$")
 # code names: a dotted identifier without digits (`dataset.train_dataset`) is not a secret.
 _WEAK_SECRET_NAME = re.compile(r"^(?!.*(?:api|secret|token|pass|private|auth|cred|access))[a-z_.-]*[_-]key$")
 _IDENTIFIER_VALUE = re.compile(r"^[A-Za-z_]+(?:\.[A-Za-z_]+)+$")
+# A plain lower-case word is prose, not a secret: `unique_by_key: failed to synchronize` (thrust).
+_WORD_VALUE = re.compile(r"^[a-z]{2,20}$")
 _HOST_NAME = r"[A-Za-z0-9][A-Za-z0-9_.\[\]-]*"
 _FQDN_TLDS = ("com|net|org|edu|gov|io|ai|cloud|internal|local|lan|corp|intra|cluster|svc|localdomain|"
               "us|uk|de|fr|jp|cn|kr|ru|eu|ca|au|nl|ch|se|in|sg|tw|hk")
@@ -216,8 +218,9 @@ class Redactor:
         bare = name.strip("\"'-")
         if _NOT_SECRET_NAMES.match(bare) or _PLACEHOLDER.match(value.strip()) or _SHORT_NUMBER.match(value.strip()):
             return m.group(0)   # a short number is a counter or an index, not a secret (store_based_barrier_key:2)
-        if _WEAK_SECRET_NAME.match(bare) and _IDENTIFIER_VALUE.match(value.strip()) and not token_kind(value):
-            return m.group(0)   # full_key: dataset.train_dataset
+        if _WEAK_SECRET_NAME.match(bare) and (_IDENTIFIER_VALUE.match(value.strip()) or _WORD_VALUE.match(value.strip())) \
+                and not token_kind(value):
+            return m.group(0)   # full_key: dataset.train_dataset; unique_by_key: failed to synchronize
         kind = token_kind(value) or _kind_by_name(bare)
         return f"{name}{m.group('as_sep')}{quote}{_mark(kind)}{quote}"
 

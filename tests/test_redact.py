@@ -192,3 +192,8 @@ def test_config_names_ending_in_key_keep_dotted_code_names():
     assert r.redact("secret_key=abc.def") == "secret_key=[REDACTED:secret]"
     assert r.redact("API_KEY=sk_live_abc") == "API_KEY=[REDACTED:secret]"
     assert r.redact("db_key=hunter_two") == "db_key=[REDACTED:secret]"
+    # thrust's CUDA error prose (a device-side assert): a lower-case word after `*_key:` is text
+    line = "RuntimeError: unique_by_key: failed to synchronize: cudaErrorAssert: device-side assert triggered"
+    assert r.redact(line) == line
+    assert r.redact("sort_key: a9F3kLmQ2xZ7") == "sort_key: [REDACTED:secret]"
+    assert r.redact("secret_key: hunter") == "secret_key: [REDACTED:secret]"
