@@ -16,16 +16,8 @@ from logtriage.analysis.hangs import (
     world_incomplete,
 )
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid
-from logtriage.analysis.rootcause import (
-    ChainLink,
-    ChainRole,
-    RankFacts,
-    RootCause,
-    Verdict,
-    build_chain,
-    choose_root,
-    warning_root,
-)
+from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
+from logtriage.analysis.roots import ChainLink, ChainRole, RankFacts, RootCause, Verdict
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role
 from logtriage.demux.streams import StreamKey, StreamKind

@@ -8,7 +8,8 @@ from collections import Counter
 
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.nccl_ranks import SETUP_RULE
-from logtriage.analysis.rootcause import RankFacts, RootCause, missing_from_barrier
+from logtriage.analysis.rootcause import missing_from_barrier
+from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.catalog.loader import Catalog
 from logtriage.rank_ranges import ranges
 from logtriage.catalog.rule import Category, Role, Rule, Severity

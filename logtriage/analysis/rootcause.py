@@ -4,73 +4,19 @@ Evidence is ordered by timestamps where two lines carry comparable ones, else by
 The initiating failure is the earliest root candidate (a rank's own error: an exception, an OOM,
 a segfault); the same error on several ranks is one root with a rank set. Without a root
 candidate, "either" evidence decides (a SIGABRT, an NCCL system error, a bare exit code). With
-only consequences left, collective timeouts point at the rank that is missing from them."""
+only consequences left, collective timeouts point at the rank that is missing from them
+(timeouts.py). The values passed around are in roots.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from enum import Enum
-
 from logtriage.analysis.childfailed import is_own_failure
 from logtriage.analysis.findings import Finding
+from logtriage.analysis.roots import ChainLink, ChainRole, RankFacts, RootCause, earliest
+from logtriage.analysis.timeouts import missing_rank_root, named_culprit
 from logtriage.analysis.timestamps import clearly_before
-from logtriage.catalog.rule import Category, Role, Rule, Severity
+from logtriage.catalog.rule import Category, Role, Severity
 from logtriage.demux.streams import StreamKind
-from logtriage.rank_ranges import ranges
 from logtriage.scan import STEP
-
-
-class Verdict(str, Enum):
-    FAILED = "failed"
-    HUNG = "hung"
-    OK = "ok"
-
-
-class ChainRole(str, Enum):
-    INITIATING = "initiating"
-    CASCADE = "cascade"
-    TEARDOWN = "teardown"
-
-
-@dataclass(frozen=True)
-class RootCause:
-    rule: Rule
-    finding: Finding | None          # None when derived from facts (a hang, ranks' progress)
-    rank: int | None
-    ranks: tuple[int, ...]
-    confidence: float
-    reasons: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class ChainLink:
-    rule: Rule
-    role: ChainRole
-    ranks: tuple[int, ...]
-    first: Finding
-    count: int
-
-
-@dataclass(frozen=True)
-class RankFacts:
-    """What the analysis knows about the ranks beyond findings."""
-    known: frozenset[int]
-    exit_codes: dict[int, int] = field(default_factory=dict)      # rank -> worker exit code
-    completed: frozenset[int] = frozenset()                        # ranks that exited 0
-    last_step: dict[int, int] = field(default_factory=dict)
-
-
-def earliest(findings: list[Finding]) -> Finding:
-    best = findings[0]
-    for candidate in findings[1:]:
-        order = clearly_before(candidate.stamp, best.stamp)
-        if order is True or (order is None and candidate.seq < best.seq and not _stamp_says_later(candidate, best)):
-            best = candidate
-    return best
-
-
-def _stamp_says_later(a: Finding, b: Finding) -> bool:
-    return clearly_before(b.stamp, a.stamp) is True
 
 
 def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
@@ -93,7 +39,7 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
         return _group_root(specific, live, facts, confidence)
     timeouts = [f for f in live if f.category is Category.COLLECTIVE_TIMEOUT and f.role is not Role.CAUSE_CONFIRMATION]
     if timeouts:
-        return _missing_rank_root(timeouts, live, facts)
+        return missing_rank_root(timeouts, live, facts)
     cascade = [f for f in live if f.role is Role.CASCADE_CANDIDATE]
     if cascade:
         first = earliest(cascade)
@@ -180,7 +126,7 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
     if odd is not None and first.category is Category.COLLECTIVE_MISMATCH:
         return RootCause(first.rule, first, odd, (odd,), confidence, (
             f"rank {odd} ran a different collective (op, shape or dtype) from every other rank",))
-    culprit = _culprit(live)
+    culprit = named_culprit(live)
     if culprit is not None and first.category in (Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR,
                                                   Category.COLLECTIVE_MISMATCH):
         rank, ranks = culprit, (culprit,)
@@ -267,82 +213,9 @@ def _mismatch_odd_one_out(live: list[Finding]) -> int | None:
     return odd[0] if len(odd) == 1 and list(counts.values()).count(majority) == 1 else None
 
 
-def _culprit(live: list[Finding]) -> int | None:
-    for finding in live:
-        value = finding.captures.get("culprit_rank")
-        if value and value.isdigit():
-            return int(value)
-    return None
-
-
 def _rank_from_exit_codes(facts: RankFacts) -> int | None:
     own = [r for r, code in facts.exit_codes.items() if is_own_failure(code)]
     return own[0] if len(own) == 1 else None
-
-
-def _missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankFacts) -> RootCause:
-    first = earliest(timeouts)
-    timed_out = {f.rank for f in timeouts if f.rank is not None}
-    # a rank whose wait ended on a peer's closed connection was in the collective too
-    in_collective = timed_out | {f.rank for f in live if f.rank is not None and f.role is Role.CASCADE_CANDIDATE
-                                 and f.category is Category.COLLECTIVE_ERROR}
-    missing = sorted(facts.known - in_collective)
-    culprit = _culprit(live)
-    if culprit is not None:
-        return RootCause(first.rule, first, culprit, (culprit,), 0.75,
-                         (f"a debug report names rank {culprit} as the one that lagged",))
-    waiters = sorted(timed_out)
-    if missing and waiters and all(m in facts.completed for m in missing) and (
-            len(waiters) < len(missing) or (len(waiters) == len(missing) and 0 in waiters)):
-        # The others finished their run: the waiting side called a collective nobody else did
-        # (typically a rank-0-only branch).
-        return RootCause(first.rule, first, waiters[0], tuple(waiters), 0.55, (
-            f"rank(s) {', '.join(map(str, waiters))} waited in a collective that the other ranks never "
-            f"called: those finished normally, so the extra collective is on the waiting side",))
-    if len(missing) == 1:
-        only = missing[0]
-        return RootCause(first.rule, first, only, (only,), 0.65, (
-            f"every rank but {only} timed out in a collective: rank {only} never joined it",))
-    if missing:
-        reasons = [f"ranks {ranges(missing, limit=8)} never joined the collective the others timed out in"]
-        if 0 in missing:
-            reasons.append("rank 0 is among them, and rank-0-only work (saving, evaluation, logging) is the "
-                           "usual reason one rank is late")
-        return RootCause(first.rule, first, 0 if 0 in missing else None, tuple(missing), 0.5, tuple(reasons))
-    if len(timed_out) == 1:
-        only = next(iter(timed_out))
-        return RootCause(first.rule, first, only, (only,), 0.4, (
-            f"rank {only} is the only rank in this log, and it timed out in a collective",))
-    odd = _odd_collective(timeouts)
-    if odd is not None:
-        return RootCause(first.rule, first, odd, (odd,), 0.5, (
-            f"every rank timed out, but rank {odd} waited in a different collective from all the others",))
-    behind = _behind(facts, timed_out)
-    if behind is not None:
-        return RootCause(first.rule, first, behind, (behind,), 0.4, (
-            f"every rank timed out; rank {behind} was behind the others (lowest last step)",))
-    return RootCause(first.rule, first, None, tuple(sorted(timed_out)), 0.35,
-                     ("every rank timed out and nothing in the log tells them apart",))
-
-
-def _odd_collective(timeouts: list[Finding]) -> int | None:
-    """All ranks timed out: the one waiting in another collective (all_reduce while the rest sit
-    in barrier) is the one whose code took a different path."""
-    by_rank = {f.rank: f.collective for f in timeouts if f.rank is not None and f.collective}
-    names = list(by_rank.values())
-    if len(by_rank) < 3:
-        return None
-    odd = [r for r, name in by_rank.items() if names.count(name) == 1]
-    return odd[0] if len(odd) == 1 and len(set(names)) == 2 else None
-
-
-def _behind(facts: RankFacts, ranks: set[int]) -> int | None:
-    steps = {r: facts.last_step[r] for r in ranks if r in facts.last_step}
-    if len(steps) < 2:
-        return None
-    low = min(steps.values())
-    lowest = [r for r, s in steps.items() if s == low]
-    return lowest[0] if len(lowest) == 1 and max(steps.values()) > low else None
 
 
 def _ranks(findings) -> tuple[int, ...]:

@@ -1,0 +1,65 @@
+"""The values the root-cause analysis hands around: verdicts, the chosen root, the causal chain,
+what is known about the ranks, and the evidence order (timestamps where comparable, else input
+order)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from logtriage.analysis.findings import Finding
+from logtriage.analysis.timestamps import clearly_before
+from logtriage.catalog.rule import Rule
+
+
+class Verdict(str, Enum):
+    FAILED = "failed"
+    HUNG = "hung"
+    OK = "ok"
+
+
+class ChainRole(str, Enum):
+    INITIATING = "initiating"
+    CASCADE = "cascade"
+    TEARDOWN = "teardown"
+
+
+@dataclass(frozen=True)
+class RootCause:
+    rule: Rule
+    finding: Finding | None          # None when derived from facts (a hang, ranks' progress)
+    rank: int | None
+    ranks: tuple[int, ...]
+    confidence: float
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChainLink:
+    rule: Rule
+    role: ChainRole
+    ranks: tuple[int, ...]
+    first: Finding
+    count: int
+
+
+@dataclass(frozen=True)
+class RankFacts:
+    """What the analysis knows about the ranks beyond findings."""
+    known: frozenset[int]
+    exit_codes: dict[int, int] = field(default_factory=dict)      # rank -> worker exit code
+    completed: frozenset[int] = frozenset()                        # ranks that exited 0
+    last_step: dict[int, int] = field(default_factory=dict)
+
+
+def earliest(findings: list[Finding]) -> Finding:
+    best = findings[0]
+    for candidate in findings[1:]:
+        order = clearly_before(candidate.stamp, best.stamp)
+        if order is True or (order is None and candidate.seq < best.seq and not _stamp_says_later(candidate, best)):
+            best = candidate
+    return best
+
+
+def _stamp_says_later(a: Finding, b: Finding) -> bool:
+    return clearly_before(b.stamp, a.stamp) is True

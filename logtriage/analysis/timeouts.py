@@ -1,0 +1,86 @@
+"""Collective timeouts: which rank the waiting ranks were waiting for.
+
+Timeouts are consequences; the rank they point at is the one missing from them (never joined,
+was late, left), named by a debug report, running another collective, or behind on steps."""
+
+from __future__ import annotations
+
+from logtriage.analysis.findings import Finding
+from logtriage.analysis.roots import RankFacts, RootCause, earliest
+from logtriage.catalog.rule import Category, Role
+from logtriage.rank_ranges import ranges
+
+
+def named_culprit(live: list[Finding]) -> int | None:
+    """The rank a debug report names as the one that lagged or differed (NCCL's desync report,
+    the flight recorder)."""
+    for finding in live:
+        value = finding.captures.get("culprit_rank")
+        if value and value.isdigit():
+            return int(value)
+    return None
+
+
+def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankFacts) -> RootCause:
+    first = earliest(timeouts)
+    timed_out = {f.rank for f in timeouts if f.rank is not None}
+    # a rank whose wait ended on a peer's closed connection was in the collective too
+    in_collective = timed_out | {f.rank for f in live if f.rank is not None and f.role is Role.CASCADE_CANDIDATE
+                                 and f.category is Category.COLLECTIVE_ERROR}
+    missing = sorted(facts.known - in_collective)
+    culprit = named_culprit(live)
+    if culprit is not None:
+        return RootCause(first.rule, first, culprit, (culprit,), 0.75,
+                         (f"a debug report names rank {culprit} as the one that lagged",))
+    waiters = sorted(timed_out)
+    if missing and waiters and all(m in facts.completed for m in missing) and (
+            len(waiters) < len(missing) or (len(waiters) == len(missing) and 0 in waiters)):
+        # The others finished their run: the waiting side called a collective nobody else did
+        # (typically a rank-0-only branch).
+        return RootCause(first.rule, first, waiters[0], tuple(waiters), 0.55, (
+            f"rank(s) {', '.join(map(str, waiters))} waited in a collective that the other ranks never "
+            f"called: those finished normally, so the extra collective is on the waiting side",))
+    if len(missing) == 1:
+        only = missing[0]
+        return RootCause(first.rule, first, only, (only,), 0.65, (
+            f"every rank but {only} timed out in a collective: rank {only} never joined it",))
+    if missing:
+        reasons = [f"ranks {ranges(missing, limit=8)} never joined the collective the others timed out in"]
+        if 0 in missing:
+            reasons.append("rank 0 is among them, and rank-0-only work (saving, evaluation, logging) is the "
+                           "usual reason one rank is late")
+        return RootCause(first.rule, first, 0 if 0 in missing else None, tuple(missing), 0.5, tuple(reasons))
+    if len(timed_out) == 1:
+        only = next(iter(timed_out))
+        return RootCause(first.rule, first, only, (only,), 0.4, (
+            f"rank {only} is the only rank in this log, and it timed out in a collective",))
+    odd = _odd_collective(timeouts)
+    if odd is not None:
+        return RootCause(first.rule, first, odd, (odd,), 0.5, (
+            f"every rank timed out, but rank {odd} waited in a different collective from all the others",))
+    behind = _behind(facts, timed_out)
+    if behind is not None:
+        return RootCause(first.rule, first, behind, (behind,), 0.4, (
+            f"every rank timed out; rank {behind} was behind the others (lowest last step)",))
+    return RootCause(first.rule, first, None, tuple(sorted(timed_out)), 0.35,
+                     ("every rank timed out and nothing in the log tells them apart",))
+
+
+def _odd_collective(timeouts: list[Finding]) -> int | None:
+    """All ranks timed out: the one waiting in another collective (all_reduce while the rest sit
+    in barrier) is the one whose code took a different path."""
+    by_rank = {f.rank: f.collective for f in timeouts if f.rank is not None and f.collective}
+    names = list(by_rank.values())
+    if len(by_rank) < 3:
+        return None
+    odd = [r for r, name in by_rank.items() if names.count(name) == 1]
+    return odd[0] if len(odd) == 1 and len(set(names)) == 2 else None
+
+
+def _behind(facts: RankFacts, ranks: set[int]) -> int | None:
+    steps = {r: facts.last_step[r] for r in ranks if r in facts.last_step}
+    if len(steps) < 2:
+        return None
+    low = min(steps.values())
+    lowest = [r for r, s in steps.items() if s == low]
+    return lowest[0] if len(lowest) == 1 and max(steps.values()) > low else None
