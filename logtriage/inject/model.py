@@ -11,13 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from logtriage.analysis.roots import Verdict
 from logtriage.catalog.rule import Category
-
-
-class Verdict(str, Enum):
-    FAILED = "failed"
-    HUNG = "hung"
-    OK = "ok"
 
 
 class Backend(str, Enum):
