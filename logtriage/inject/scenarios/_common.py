@@ -176,6 +176,17 @@ class Training:
         return loss
 
 
+def train_with_fault(args: argparse.Namespace, fault: Callable[[Run], None] | None) -> None:
+    """The standard run, with `fault(run)` called on the fault rank just before its
+    `--fault-step` (None: a healthy run)."""
+    training = Training.start(args)
+    for step, inputs, targets in training.batches():
+        if fault is not None and training.run.is_fault_rank and step == args.fault_step:
+            fault(training.run)
+        training.step(step, inputs, targets)
+    finish(training.run)
+
+
 def save_checkpoint(run: Run, model: nn.Module, path: str) -> None:
     """Rank 0 writes, then everyone waits at a barrier before anyone reads it."""
     if run.rank == 0:

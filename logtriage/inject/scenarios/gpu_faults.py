@@ -14,7 +14,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from _common import Training, finish, launch, make_parser
+from _common import launch, make_parser, train_with_fault
 from torch import nn
 
 
@@ -46,12 +46,7 @@ def main(args) -> None:
     if args.fault in ("duplicate_gpu", "invalid_ordinal"):
         setup_on_wrong_device(args)
         raise SystemExit(f"the {args.fault} fault did not trigger on this machine")
-    training = Training.start(args)
-    for step, inputs, targets in training.batches():
-        if training.run.is_fault_rank and step == args.fault_step:
-            inject(training.run, args.fault)
-        training.step(step, inputs, targets)
-    finish(training.run)
+    train_with_fault(args, lambda run: inject(run, args.fault))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import resource
 
 import torch
-from _common import Training, finish, launch, make_parser
+from _common import launch, make_parser, train_with_fault
 
 HEADROOM = 1 << 30
 REQUEST = 8 << 30
@@ -32,12 +32,7 @@ def exhaust_memory(alloc: str) -> None:
 
 
 def main(args) -> None:
-    training = Training.start(args)
-    for step, inputs, targets in training.batches():
-        if training.run.is_fault_rank and step == args.fault_step:
-            exhaust_memory(args.alloc)
-        training.step(step, inputs, targets)
-    finish(training.run)
+    train_with_fault(args, lambda run: exhaust_memory(args.alloc))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from _common import Training, finish, launch, make_parser
+from _common import launch, make_parser, train_with_fault
 
 
 def die(how: str) -> None:
@@ -24,12 +24,7 @@ def die(how: str) -> None:
 
 
 def main(args) -> None:
-    training = Training.start(args)
-    for step, inputs, targets in training.batches():
-        if training.run.is_fault_rank and step == args.fault_step:
-            die(args.how)
-        training.step(step, inputs, targets)
-    finish(training.run)
+    train_with_fault(args, lambda run: die(args.how))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import resource
 import tempfile
 
 import torch.distributed as dist
-from _common import Training, finish, launch, make_parser
+from _common import launch, make_parser, train_with_fault
 
 
 def open_sample_files(count: int) -> list:
@@ -40,12 +40,7 @@ def main(args) -> None:
         if not distributed:
             print(f"[rank {os.environ.get('RANK')}] running without init_process_group", flush=True)
         dist.get_rank()
-    training = Training.start(args)
-    for step, inputs, targets in training.batches():
-        if training.run.is_fault_rank and step == args.fault_step and args.how == "fds":
-            exhaust_file_descriptors()
-        training.step(step, inputs, targets)
-    finish(training.run)
+    train_with_fault(args, (lambda run: exhaust_file_descriptors()) if args.how == "fds" else None)
 
 
 if __name__ == "__main__":
