@@ -9,17 +9,12 @@ import re
 from dataclasses import dataclass
 
 from logtriage.analysis.timestamps import Stamp, parse_cfe_time
-from logtriage.demux.launcher import CFE_EXIT, CFE_RANK, is_cfe_start
+from logtriage.demux.launcher import CFE_EXIT, CFE_RANK, MPI_NOTICE, MPI_NOTICE_SIGNAL, is_cfe_start
 
 # The rank and exitcode fields are read with the demuxer's own patterns (at most 12 digits: a
 # log cannot make an integer too big for the JSON report or too long to convert).
 _ENTRY = re.compile(r"^\[(\d{1,12})\]:\s*$")
 _FIELD = re.compile(r"^\s{1,4}(time|host|rank|exitcode|error_file|traceback)\s*: ?(.*)$")
-# Open MPI's launcher (no ChildFailedError): "prterun noticed that process rank 0 with PID 6245 on
-# node vm exited on signal 9 (Killed)." (often wrapped before "signal"); the first it saw die
-_MPI_NOTICE = re.compile(r"^(?:mpirun|prterun|mpiexec|orterun) noticed that process rank (\d{1,9}) with PID "
-                         r"(\d{1,12}) on node \S+ exited on(?: signal (\d{1,3}) \(.*)?$")
-_MPI_SIGNAL = re.compile(r"^signal (\d{1,3}) \(")
 
 
 @dataclass(frozen=True)
@@ -44,8 +39,8 @@ def parse_child_failures(launcher_lines: list[tuple[int, int, str]]) -> list[Chi
     current: dict | None = None
     notice: dict | None = None
     for source, number, text in launcher_lines:
-        m = _MPI_NOTICE.match(text)
-        signal = _MPI_SIGNAL.match(text) if notice is not None and m is None else None
+        m = MPI_NOTICE.match(text)
+        signal = MPI_NOTICE_SIGNAL.match(text) if notice is not None and m is None else None
         if m or signal:
             if m:
                 notice = {"index": len(entries), "root": not any(e.is_root_cause for e in entries),

@@ -16,6 +16,7 @@ from typing import Mapping
 from logtriage.analysis.childfailed import ChildFailure, signal_name
 from logtriage.analysis.timestamps import Stamp
 from logtriage.catalog.rule import Category, Role, Rule, Severity
+from logtriage.demux.launcher import PY_GLOG
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.scan import Hit, ScanResult
 
@@ -34,9 +35,6 @@ _SIGNAL_RULES = {"SIGSEGV": "signal.sigsegv", "SIGABRT": "signal.sigabrt", "SIGB
 SELF_RANK_CAPTURES = ("self_rank", "pg_rank")
 _BLOCK_KINDS_WITH_ONE_EVENT = frozenset({"traceback", "native", "cpp", "fault"})
 _EXCEPTION_TYPE = re.compile(r"^((?:[A-Za-z_]\w*\.)*(?:[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)|Exception))(?::|$)")
-# What can stand before an exception line that the demuxer keeps: Markdown emphasis from an issue
-# tracker, and the elastic agent's glog header when it re-logs a worker's traceback.
-_BEFORE_EXCEPTION = re.compile(r"^(?:[*_`]+|[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] )")
 _RAISE_LINE = re.compile(r"^\s+raise\b")
 _WORKER_FIELDS = frozenset({"local_rank", "pid", "process", "task"})
 _INFO_LINE = re.compile(r"^\[?I\d{3,4} \d\d:\d\d:\d\d")
@@ -97,7 +95,8 @@ def exception_type_of(text: str) -> str | None:
     """`torch.OutOfMemoryError` of `torch.OutOfMemoryError: CUDA out of memory...`, else None;
     also after Markdown emphasis (`**OSError: ...**`) or the agent's glog header (`E0422 05:07:49.013000
     204 .../api.py:732] RuntimeError: ...`)."""
-    m = _EXCEPTION_TYPE.match(_BEFORE_EXCEPTION.sub("", text, count=1))
+    glog = PY_GLOG.match(text)
+    m = _EXCEPTION_TYPE.match((glog.group(7) if glog else text).lstrip("*_`"))
     return m.group(1) if m else None
 
 

@@ -135,7 +135,8 @@ class Assigner:
             return self._part(launcher, text)
         if L.is_launch_future_warning(text):
             return self._open(B.BlockKind.WARNING, launcher, text, bare=False)
-        if B.MPI_NOTICE_START.match(text):
+        notice = L.MPI_NOTICE.match(text)
+        if notice and notice.group(3) is None:   # wrapped: the signal is on the next line
             return self._open(B.BlockKind.MPI_NOTICE, launcher, text, bare=False)
         if L.is_shell_or_scheduler(text):
             self.facts.observe(text)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from enum import Enum
 
+from logtriage.demux.launcher import MPI_NOTICE_SIGNAL
+
 
 class BlockKind(str, Enum):
     TRACEBACK = "traceback"
@@ -33,9 +35,6 @@ _FAULT_CONT = re.compile(r"^(?:\s|Current thread 0x|Thread 0x|Extension modules:
 NATIVE_START = re.compile(r"^terminate called (?:after throwing an instance of|without an active exception|recursively)")
 _NATIVE_CONT = re.compile(r"^(?:\s+what\(\): |Exception raised from |frame #\d+: |<omitting python frames>)")
 WARNING_START = re.compile(r"^\S.*?:\d+: [A-Z]\w*Warning: ")
-# Open MPI wraps its notice at 72 columns, so the signal often lands on the next line.
-MPI_NOTICE_START = re.compile(r"^(?:mpirun|prterun|mpiexec|orterun) noticed that process rank \d+ with PID \d+ on node \S+ exited on$")
-MPI_NOTICE_SIGNAL = re.compile(r"^signal (\d{1,3}) \(([^)]*)\)\.?$")
 BANNER_TITLE = re.compile(r"^== (.{2,60}) ==\s*$")
 BANNER_RULE = re.compile(r"^={5,}\s*$")
 _BANNER_CONT = re.compile(

@@ -9,6 +9,12 @@ from dataclasses import dataclass, field
 # W1129 23:34:12.333000 8232 torch/distributed/run.py:874] message
 # Numbers converted with int() have at most 12 digits (18 for the glog thread id, 15 digits in real
 # torch 2.3 logs): a log cannot make an integer too big for the JSON report (or too long to convert).
+# Open MPI's launcher on a process that died of a signal: "prterun noticed that process rank 0 with
+# PID 6245 on node vm exited on signal 9 (Killed)." It wraps at 72 columns, so the signal is often
+# on the next line alone.
+MPI_NOTICE = re.compile(r"^(?:mpirun|prterun|mpiexec|orterun) noticed that process rank (\d{1,9}) with PID "
+                        r"(\d{1,12}) on node \S+ exited on(?: signal (\d{1,3}) \(.*)?$")
+MPI_NOTICE_SIGNAL = re.compile(r"^signal (\d{1,3}) \(([^)]*)\)\.?$")
 PY_GLOG = re.compile(r"^([IWEC])(\d{4}) (\d\d:\d\d:\d\d\.\d{6}) (\d{1,18}) (\S+):(\d+)\] ?(.*)$")
 _LAUNCHER_PATHS = re.compile(
     r"distributed/(?:run|launch)\.py|distributed/elastic/|distributed/launcher/|multiprocessing/spawn\.py"
