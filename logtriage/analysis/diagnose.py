@@ -19,7 +19,7 @@ from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
 from logtriage.analysis.roots import ChainLink, ChainRole, RankFacts, RootCause, Verdict
 from logtriage.catalog.loader import Catalog
-from logtriage.catalog.rule import Category, Role
+from logtriage.catalog.rule import Category, Role, Rule
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.scan import ScanResult, SlotStats
 
@@ -149,11 +149,15 @@ def _peer_that_left(root: RootCause, findings: list[Finding], facts: RankFacts, 
     if len(silent) != 1 or silent <= facts.completed:
         return root     # a peer that finished cleanly left a rank alone in a collective: that rank's fault
     peer = next(iter(silent))
-    rule = catalog.get("signal.exit_nonzero") or fallback_rule("signal.exit_nonzero", Category.UNKNOWN,
-                                                               "A worker exited with an error code and left no message")
+    rule = _exit_rule(catalog)
     return RootCause(rule, None, peer, (peer,), 0.35, (
         f"rank {peer} printed no error, and every error found is another rank's peer connection "
         f"closing ({root.rule.id}): rank {peer} left first, without a message",))
+
+
+def _exit_rule(catalog: Catalog) -> Rule:
+    return catalog.get("signal.exit_nonzero") or fallback_rule(
+        "signal.exit_nonzero", Category.UNKNOWN, "A worker exited with an error code and left no message")
 
 
 def _exit_only_root(failures: list[ChildFailure], catalog: Catalog) -> RootCause | None:
@@ -161,8 +165,7 @@ def _exit_only_root(failures: list[ChildFailure], catalog: Catalog) -> RootCause
     if not own:
         return None
     first = next((f for f in own if f.is_root_cause), own[0])
-    rule = catalog.get("signal.exit_nonzero") or fallback_rule("signal.exit_nonzero", Category.UNKNOWN,
-                                                               "A worker exited with an error code and left no message")
+    rule = _exit_rule(catalog)
     return RootCause(rule, None, first.rank, (first.rank,) if first.rank is not None else (), 0.3,
                      (f"rank {first.rank} exited with code {first.exitcode}; its output holds no error",))
 
