@@ -17,6 +17,7 @@ from logtriage.analysis.hangs import (
 )
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
+from logtriage.analysis.stopped import output_stopped
 from logtriage.analysis.roots import ChainLink, ChainRole, RankFacts, RootCause, Verdict
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role, Rule
@@ -83,7 +84,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is None:
         root = waiting(findings, facts)
         if root is None and not scan.unreadable:   # output that stops where the input broke off says nothing
-            root = hang_from_progress(facts, catalog) or stalled_in_nccl_init(scan, findings, facts, catalog)
+            root = (hang_from_progress(facts, catalog) or stalled_in_nccl_init(scan, findings, facts, catalog)
+                    or output_stopped(scan, keys, findings, facts, catalog))
         if root is not None:
             verdict = Verdict.HUNG
     if scan.unreadable:

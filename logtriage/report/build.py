@@ -8,7 +8,7 @@ from typing import Callable
 from logtriage.analysis.diagnose import Diagnosis
 from logtriage.analysis.findings import Finding, exception_type_of
 from logtriage.demux.streams import StreamKind
-from logtriage.report.evidence import read_lines
+from logtriage.ingest.lines import read_lines
 from logtriage.report.model import (ChainEntry, EvidenceLine, FindingView, RankRow, Report, RootCauseView,
                                     StreamRow)
 from logtriage.scan import ScanResult
