@@ -62,4 +62,17 @@ def test_lightning_all_registered_means_the_group_formed(tmp_path):
     assert (report["verdict"], report["root_cause"]["rule_id"]) == ("hung", "hang.after_nccl_init")
     log.write_text("initializing ddp: GLOBAL_RANK: 1, MEMBER: 2/2\n")   # without the banner: rank 0 never came
     report = triage([str(log)]).to_dict()
-    assert (report["verdict"], report["root_cause"]["rule_id"]) == ("hung", "launcher.world_incomplete")
+    assert (report["verdict"], report["root_cause"]["rule_id"]) == ("hung", "hang.world_not_joined")
+    assert report["root_cause"]["ranks"] == [0]
+
+
+def test_missing_members_are_a_hang_repeated_ones_a_launch_mistake(tmp_path):
+    # Lightning-AI/pytorch-lightning#19606 (one member of five, then silence) against #10098
+    # (two nodes both claim global ranks 0-3 of 8)
+    log = tmp_path / "l.log"
+    log.write_text("[rank: 0] Seed set to 42\nInitializing distributed: GLOBAL_RANK: 0, MEMBER: 1/5\n")
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["ranks"]) == ("hang", "hang.world_not_joined", [1, 2, 3, 4])
+    log.write_text("".join(f"initializing ddp: GLOBAL_RANK: {r}, MEMBER: {r + 1}/8\n" for r in (0, 1, 2, 3) * 2))
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["ranks"]) == ("launch_usage", "launcher.world_incomplete", [0, 1, 2, 3])

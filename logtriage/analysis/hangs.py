@@ -104,8 +104,14 @@ def world_incomplete(findings: list[Finding], catalog: Catalog, stop: RootCause 
     missing = sorted(set(range(world)) - claimed.keys()) if world <= 65536 else []
     if not repeated and not missing:
         return None
-    rule = catalog.get("launcher.world_incomplete") or fallback_rule(
-        "launcher.world_incomplete", Category.LAUNCH_USAGE, "The processes' global ranks do not make up the world")
+    if not repeated and stop is None:
+        # ranks missing and nothing else: the group is still forming (or stuck forming), a hang;
+        # a job stopped while it waited is kept as the misconfiguration it usually is
+        rule = catalog.get("hang.world_not_joined") or fallback_rule(
+            "hang.world_not_joined", Category.HANG, "Output stopped while processes waited for the rest to join")
+    else:
+        rule = catalog.get("launcher.world_incomplete") or fallback_rule(
+            "launcher.world_incomplete", Category.LAUNCH_USAGE, "The processes' global ranks do not make up the world")
     first = next(f for f in members if f.rank in repeated) if repeated else members[0]
     reasons = [f"a world of {world}: {len(claimed)} distinct global rank(s) announced"]
     if repeated:
@@ -114,6 +120,8 @@ def world_incomplete(findings: list[Finding], catalog: Catalog, stop: RootCause 
         reasons.append(f"rank(s) {ranges(missing, limit=8)} never announced")
     if stop is not None:
         reasons.append(f"then the job was stopped ({stop.rule.id}) while the others waited")
+    if rule.category is Category.HANG:   # the missing ranks are the ones to look at
+        return RootCause(rule, first, missing[0] if len(missing) == 1 else None, tuple(missing), 0.4, tuple(reasons))
     return RootCause(rule, first, None, tuple(repeated), 0.5, tuple(reasons))
 
 
