@@ -23,6 +23,12 @@ PLAIN = Dialect()
     ("[1,12]<stderr>:Traceback (most recent call last):", 12, None, "Traceback (most recent call last):"),
     ("[rank1]:", 1, None, ""),                                                              # only a prefix
     ("[rank0]:[rank0]: RuntimeError: Missing key", 0, None, "RuntimeError: Missing key"),   # doubled (torch 2.6)
+    # Ray's log monitor (hiyouga/EasyR1#228; Ray Train's worker form with its node address)
+    ("(Runner pid=868697) Error while creating shared memory segment /dev/shm/nccl-UmqSM9 (size 7340384)",
+     None, None, "Error while creating shared memory segment /dev/shm/nccl-UmqSM9 (size 7340384)"),
+    ("(RayTrainWorker pid=4121, ip=10.0.0.5) [rank1]: KeyError: 'labels'", 1, None, "KeyError: 'labels'"),
+    ("(pid=77) step 3", None, None, "step 3"),
+    ("(see the docs) pid=3 is not a Ray prefix", None, None, "(see the docs) pid=3 is not a Ray prefix"),
 ])
 def test_prefix_layers(line, rank, local, text):
     p = strip_prefixes(line, PLAIN)

@@ -439,6 +439,14 @@ def _has_rank(buf, a, b):
 
 
 @njit(cache=True, nogil=True)
+def _has_pid(buf, a, b):
+    for k in range(a, b - 3):
+        if buf[k] == 112 and buf[k + 1] == 105 and buf[k + 2] == 100 and buf[k + 3] == 61:   # "pid="
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True)
 def _redraw(buf, start, end):
     """clean._last_redraw for a line with CRs: (a, b) of the part the terminal finally shows
     (the last non-blank part; if that is a progress bar, the last part that is not), or (-1, -1)
@@ -533,6 +541,11 @@ def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
                     and _is_digit(buf[c + 1]) and _is_digit(buf[c + 2]) and _is_digit(buf[c + 3]) \
                     and _is_digit(buf[c + 4]) and buf[c + 5] == 32:
                 flag = NOT_PLAIN  # py-glog header: the launcher or a worker pid
+            elif first == 70 and c + 5 < end and buf[c + 1] == 105 and buf[c + 2] == 108 and buf[c + 3] == 101 \
+                    and buf[c + 4] == 32 and buf[c + 5] == 34:
+                flag = NOT_PLAIN  # `File "...` at column 0: a traceback frame, maybe one without its header
+            elif first == 40 and _has_pid(buf, c, min(end, c + 80)):
+                flag = NOT_PLAIN  # a Ray worker's `(Name pid=N, ip=...) ` prefix
             elif first == 91:
                 is_cpp = c + 2 < end and (buf[c + 1] == 73 or buf[c + 1] == 87 or buf[c + 1] == 69
                                           or buf[c + 1] == 70) and _is_digit(buf[c + 2])
