@@ -124,3 +124,21 @@ def test_open_mpi_notices_are_launcher_failures_with_their_rank():
     assert continues(BlockKind.MPI_NOTICE, "signal 9 (Killed).", state)
     assert not continues(BlockKind.MPI_NOTICE, "signal 9 (Killed).", state)
 
+
+
+def test_a_traceback_cut_above_its_first_frame_is_still_one_block(tmp_path):
+    # sample_logs/public14/dle1092_*: the paste starts at a frame, without `Traceback (...)`
+    log = tmp_path / "cut.log"
+    log.write_text("step 40 loss 0.3\n"
+                   'File "train.py", line 229, in save_checkpoint\n'
+                   '    print("Updating symlink", symlink_dst)\n'
+                   "FileExistsError: [Errno 17] File exists: 'a.pt' -> 'last.pt'\n"
+                   "[rank1]:   File \"train.py\", line 12, in <module>\n"
+                   "[rank1]: KeyError: 'x'\n")
+    run = run_triage([str(log)])
+    blocks = sorted(run.scan.blocks.values())
+    assert blocks == [(0, 2, 4), (0, 5, 6)]
+    assert sorted(run.scan.block_exceptions.values()) == [
+        "FileExistsError: [Errno 17] File exists: 'a.pt' -> 'last.pt'", "KeyError: 'x'"]
+    assert _stream_of(run, 6).rank == 1
+    assert list(run.scan.block_checkpoint_frames.values()) == ["save_checkpoint"]

@@ -76,3 +76,23 @@ def test_missing_members_are_a_hang_repeated_ones_a_launch_mistake(tmp_path):
     log.write_text("".join(f"initializing ddp: GLOBAL_RANK: {r}, MEMBER: {r + 1}/8\n" for r in (0, 1, 2, 3) * 2))
     rc = triage([str(log)]).to_dict()["root_cause"]
     assert (rc["category"], rc["rule_id"], rc["ranks"]) == ("launch_usage", "launcher.world_incomplete", [0, 1, 2, 3])
+
+
+def test_a_file_system_error_inside_a_checkpoint_save_is_a_checkpoint_failure(tmp_path):
+    # NVIDIA/DeepLearningExamples#1092: every node's local rank 0 replaced the same symlink
+    frames = ('[rank1]: Traceback (most recent call last):\n'
+              '[rank1]:   File "train.py", line 300, in <module>\n'
+              '[rank1]:   File "train.py", line 229, in {func}\n'
+              '[rank1]:     os.symlink(src, dst)\n'
+              "[rank1]: {error}\n")
+    log = tmp_path / "c.log"
+    log.write_text(frames.format(func="save_checkpoint", error="FileExistsError: [Errno 17] File exists: 'last.pt'"))
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["rank"], rc["line"]) == ("checkpoint", "ckpt.io_error", 1, 5)
+    log.write_text(frames.format(func="load_checkpoint", error="FileNotFoundError: [Errno 2] No such file: 'last.pt'"))
+    assert triage([str(log)]).to_dict()["root_cause"]["rule_id"] == "ckpt.not_found"
+    # the same error outside any checkpoint frame stays what it is; so does a bug inside one
+    log.write_text(frames.format(func="build_dataset", error="FileExistsError: [Errno 17] File exists: 'cache'"))
+    assert triage([str(log)]).to_dict()["root_cause"]["category"] == "python_exception"
+    log.write_text(frames.format(func="save_checkpoint", error="KeyError: 'optimizer'"))
+    assert triage([str(log)]).to_dict()["root_cause"]["category"] == "python_exception"

@@ -3,7 +3,7 @@ ranks given a status. Pure data in, pure data out (no rendering, no I/O)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from logtriage.analysis.childfailed import ChildFailure, is_killed, is_own_failure, parse_child_failures
 from logtriage.analysis.environment import Environment, collect_environment
@@ -16,11 +16,19 @@ from logtriage.analysis.hangs import (
     world_incomplete,
 )
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid
+from logtriage.analysis.refine import (
+    PEER_LEFT_RULES,
+    checkpoint_io,
+    exit_rule,
+    peer_that_left,
+    sigkill_on_gpu_job,
+    stop_for_memory,
+)
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
 from logtriage.analysis.stopped import output_stopped
 from logtriage.analysis.roots import ChainLink, ChainRole, RankFacts, RootCause, Verdict
 from logtriage.catalog.loader import Catalog
-from logtriage.catalog.rule import Category, Role, Rule
+from logtriage.catalog.rule import Category, Role
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.scan import ScanResult, SlotStats
 
@@ -57,11 +65,13 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     facts = _rank_facts(stream_stats, failures, findings, scan.world_size)
     root = choose_root(findings, facts)
     if root is not None and root.rule.id in PEER_LEFT_RULES:
-        root = _peer_that_left(root, findings, facts, catalog)
+        root = peer_that_left(root, findings, facts, catalog)
     if root is not None and root.rule.category is Category.EXTERNAL_STOP:
-        root = _stop_for_memory(root, findings)
+        root = stop_for_memory(root, findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
-        root = _sigkill_on_gpu_job(root, catalog)
+        root = sigkill_on_gpu_job(root, catalog)
+    if root is not None:
+        root = checkpoint_io(root, catalog)
     if root is None:
         root = _unrecognised_exception(scan, keys, catalog)
     if root is None and (failures or "traceback" in scan.block_kinds.values()):
@@ -132,69 +142,14 @@ def _rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure],
     return RankFacts(frozenset(known), exit_codes, frozenset(completed), last_step)
 
 
-# What a rank says when its peer's socket went away: the peer left first.
-PEER_LEFT_RULES = frozenset({"gloo.connection_closed", "gloo.connection_reset"})
-
-
-def _peer_that_left(root: RootCause, findings: list[Finding], facts: RankFacts, catalog: Catalog) -> RootCause:
-    """Only consequences were found, all of them a rank's peer closing or resetting the
-    connection: when exactly one known rank reported no error at all, that rank left first,
-    without a message (an exit in its own code, a process that ended early), and the failure
-    started there. A silent peer that exited cleanly is not the culprit: the rank left waiting
-    in a collective the others never called is."""
-    live = [f for f in findings if f.is_error and not f.is_teardown and f.rank is not None]
-    if root.rule.role is not Role.CASCADE_CANDIDATE or any(
-            f.role is not Role.EITHER and f.rule.id not in PEER_LEFT_RULES and f.stream.kind is StreamKind.RANK
-            for f in live):
-        return root
-    silent = facts.known - {f.rank for f in live}
-    if len(silent) != 1 or silent <= facts.completed:
-        return root     # a peer that finished cleanly left a rank alone in a collective: that rank's fault
-    peer = next(iter(silent))
-    rule = _exit_rule(catalog)
-    return RootCause(rule, None, peer, (peer,), 0.35, (
-        f"rank {peer} printed no error, and every error found is another rank's peer connection "
-        f"closing ({root.rule.id}): rank {peer} left first, without a message",))
-
-
-def _exit_rule(catalog: Catalog) -> Rule:
-    return catalog.get("signal.exit_nonzero") or fallback_rule(
-        "signal.exit_nonzero", Category.UNKNOWN, "A worker exited with an error code and left no message")
-
-
 def _exit_only_root(failures: list[ChildFailure], catalog: Catalog) -> RootCause | None:
     own = [f for f in failures if is_own_failure(f.exitcode)]
     if not own:
         return None
     first = next((f for f in own if f.is_root_cause), own[0])
-    rule = _exit_rule(catalog)
+    rule = exit_rule(catalog)
     return RootCause(rule, None, first.rank, (first.rank,) if first.rank is not None else (), 0.3,
                      (f"rank {first.rank} exited with code {first.exitcode}; its output holds no error",))
-
-
-def _stop_for_memory(root: RootCause, findings: list[Finding]) -> RootCause:
-    """A scheduler that stops a job for memory (Slurm's oom_kill event, an LSF/PBS memory limit,
-    a Kubernetes eviction) sends the SIGTERM first and says why after it: the reason is the root."""
-    memory = [f for f in findings if f.is_error and f.category is Category.HOST_OOM]
-    if not memory:
-        return root
-    first = memory[0]
-    return RootCause(first.rule, first, first.rank, (first.rank,) if first.rank is not None else (), 0.7, (
-        f"the job was stopped ({root.rule.id}) because it ran out of host memory: {first.rule.id} "
-        "says so after the stop signal",))
-
-
-def _sigkill_on_gpu_job(root: RootCause, catalog: Catalog) -> RootCause:
-    """A worker killed by SIGKILL, with no message of its own, in a job that is not a CPU/gloo
-    run: on GPU nodes the sender is, in practice, the kernel's OOM killer (host RAM exhausted by
-    data loading, checkpoint loading to CPU, too many DataLoader workers)."""
-    rule = catalog.get("host.oom_killer")
-    if rule is None:
-        return root
-    reason = ("SIGKILL cannot be caught, so the rank printed nothing; on GPU jobs the sender is nearly "
-              "always the kernel's OOM killer (host memory). `dmesg -T | grep -i oom` on the node confirms "
-              "it; if it shows nothing, look for a scheduler limit or a manual kill")
-    return replace(root, rule=rule, reasons=root.reasons + (reason,), confidence=min(root.confidence, 0.6))
 
 
 def _unrecognised_exception(scan: ScanResult, keys: list[StreamKey], catalog: Catalog) -> RootCause | None:

@@ -23,6 +23,12 @@ _RANK_MARKERS = (
     re.compile(r"^\s*rank\s*(\d{1,9})\s*[:|\]]", re.IGNORECASE),
 )
 _COLLECTIVE_FRAME = re.compile(r'distributed_c10d\.py", line \d+, in (\w+)')
+# a frame that saves or loads a checkpoint: its function's name, or torch's own serialization code
+_CHECKPOINT_FRAME = re.compile(
+    r', in (\w*(?:checkpoint|ckpt)\w*|(?:save|load)_(?:model|state_dict|pretrained|weights)\w*)\s*$'
+    r'|(torch/serialization\.py|torch/distributed/checkpoint/)', re.IGNORECASE)
+# a traceback frame with no `Traceback (most recent call last):` above it (a paste cut there)
+_FRAME_START = re.compile(r'^\s{0,4}File "[^"\n]+", line \d+, in \S')
 _EXCEPTION_START = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): ")
 _ERROR_RECORD = re.compile(r"\b(?:ERROR|CRITICAL|FATAL|Exception|exception)\b")
 _LAUNCHER_FRAME = re.compile(
@@ -73,6 +79,7 @@ class Assigner:
         self.blocks: dict[int, tuple[B.BlockKind, int]] = {}   # block id -> (kind, slot)
         self.exceptions: dict[int, str] = {}                    # traceback block id -> exception line
         self.collectives: dict[int, str] = {}                   # traceback block id -> c10d function
+        self.checkpoint_frames: dict[int, str] = {}             # traceback block id -> checkpoint frame
         self.exception_lines: dict[int, int] = {}               # traceback block id -> its exception line
 
     # -- public -------------------------------------------------------------------------------
@@ -169,6 +176,12 @@ class Assigner:
         kind = _block_start(text)
         if kind is not None:
             return self._open(kind, slot, text, bare)
+        if text.lstrip()[:6] == 'File "' and _FRAME_START.match(text):
+            part = self._open(B.BlockKind.TRACEBACK, slot, text, bare)
+            if not text[0].isspace():
+                self.block.state["bare"] = "frame"   # its code line follows at column 0 too
+            self._watch_block_line(self.block, text)
+            return part
         if _EXCEPTION_START.match(text):
             # An exception line without its traceback (a paste that starts mid-way): its
             # message's continuation lines still belong to it.
@@ -194,6 +207,10 @@ class Assigner:
             m = _COLLECTIVE_FRAME.search(text)
             if m:
                 block.state["collective"] = m.group(1)
+        if block.kind is B.BlockKind.TRACEBACK and ", in " in text and "checkpoint" not in block.state:
+            m = _CHECKPOINT_FRAME.search(text)
+            if m:
+                block.state["checkpoint"] = m.group(1) or m.group(2)
         if block.kind is B.BlockKind.TRACEBACK and block.bare and _LAUNCHER_FRAME.search(text):
             block.state["launcher"] = True
         if block.kind is B.BlockKind.CHILD_FAILED:
@@ -208,6 +225,8 @@ class Assigner:
             self.exceptions[block.block_id] = exception
         if block.state.get("collective"):
             self.collectives[block.block_id] = block.state["collective"]
+        if block.state.get("checkpoint"):
+            self.checkpoint_frames[block.block_id] = block.state["checkpoint"]
         if block.state.get("exception_line"):
             self.exception_lines[block.block_id] = block.state["exception_line"]
         becomes_cfe = L.is_cfe_start(exception)

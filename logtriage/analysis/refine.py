@@ -1,0 +1,91 @@
+"""Second readings of a chosen root: the same evidence read in its context. A peer's closed
+connection points at the rank that left; a stop signal with a memory reason is that reason; a bare
+SIGKILL on a GPU job is the OOM killer; a file-system error raised while saving or loading a
+checkpoint is a checkpoint failure."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from logtriage.analysis.findings import Finding, short_type
+from logtriage.analysis.hangs import fallback_rule
+from logtriage.analysis.roots import RankFacts, RootCause
+from logtriage.catalog.loader import Catalog
+from logtriage.catalog.rule import Category, Role, Rule
+from logtriage.demux.streams import StreamKind
+
+# What a rank says when its peer's socket went away: the peer left first.
+PEER_LEFT_RULES = frozenset({"gloo.connection_closed", "gloo.connection_reset"})
+
+
+def peer_that_left(root: RootCause, findings: list[Finding], facts: RankFacts, catalog: Catalog) -> RootCause:
+    """Only consequences were found, all of them a rank's peer closing or resetting the
+    connection: when exactly one known rank reported no error at all, that rank left first,
+    without a message (an exit in its own code, a process that ended early), and the failure
+    started there. A silent peer that exited cleanly is not the culprit: the rank left waiting
+    in a collective the others never called is."""
+    live = [f for f in findings if f.is_error and not f.is_teardown and f.rank is not None]
+    if root.rule.role is not Role.CASCADE_CANDIDATE or any(
+            f.role is not Role.EITHER and f.rule.id not in PEER_LEFT_RULES and f.stream.kind is StreamKind.RANK
+            for f in live):
+        return root
+    silent = facts.known - {f.rank for f in live}
+    if len(silent) != 1 or silent <= facts.completed:
+        return root     # a peer that finished cleanly left a rank alone in a collective: that rank's fault
+    peer = next(iter(silent))
+    rule = exit_rule(catalog)
+    return RootCause(rule, None, peer, (peer,), 0.35, (
+        f"rank {peer} printed no error, and every error found is another rank's peer connection "
+        f"closing ({root.rule.id}): rank {peer} left first, without a message",))
+
+
+def exit_rule(catalog: Catalog) -> Rule:
+    return catalog.get("signal.exit_nonzero") or fallback_rule(
+        "signal.exit_nonzero", Category.UNKNOWN, "A worker exited with an error code and left no message")
+
+
+def stop_for_memory(root: RootCause, findings: list[Finding]) -> RootCause:
+    """A scheduler that stops a job for memory (Slurm's oom_kill event, an LSF/PBS memory limit,
+    a Kubernetes eviction) sends the SIGTERM first and says why after it: the reason is the root."""
+    memory = [f for f in findings if f.is_error and f.category is Category.HOST_OOM]
+    if not memory:
+        return root
+    first = memory[0]
+    return RootCause(first.rule, first, first.rank, (first.rank,) if first.rank is not None else (), 0.7, (
+        f"the job was stopped ({root.rule.id}) because it ran out of host memory: {first.rule.id} "
+        "says so after the stop signal",))
+
+
+def sigkill_on_gpu_job(root: RootCause, catalog: Catalog) -> RootCause:
+    """A worker killed by SIGKILL, with no message of its own, in a job that is not a CPU/gloo
+    run: on GPU nodes the sender is, in practice, the kernel's OOM killer (host RAM exhausted by
+    data loading, checkpoint loading to CPU, too many DataLoader workers)."""
+    rule = catalog.get("host.oom_killer")
+    if rule is None:
+        return root
+    reason = ("SIGKILL cannot be caught, so the rank printed nothing; on GPU jobs the sender is nearly "
+              "always the kernel's OOM killer (host memory). `dmesg -T | grep -i oom` on the node confirms "
+              "it; if it shows nothing, look for a scheduler limit or a manual kill")
+    return replace(root, rule=rule, reasons=root.reasons + (reason,), confidence=min(root.confidence, 0.6))
+
+
+# Exceptions of the file system: raised inside a checkpoint's save or load they are that
+# checkpoint's failure (a path, a race on a symlink, a permission, a full disk), not a bug in Python.
+FILE_SYSTEM_ERRORS = frozenset({
+    "OSError", "IOError", "FileExistsError", "FileNotFoundError", "PermissionError", "IsADirectoryError",
+    "NotADirectoryError", "BlockingIOError", "EOFError"})
+GENERIC_RULES = frozenset({"python.exception", "python.file_not_found", "host.filesystem_error"})
+
+
+def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
+    f = root.finding
+    if f is None or root.rule.id not in GENERIC_RULES or not f.checkpoint_frame:
+        return root
+    kind = short_type(f.exception_type)
+    if kind not in FILE_SYSTEM_ERRORS:
+        return root
+    loading = "load" in f.checkpoint_frame.lower()
+    rule_id = "ckpt.not_found" if kind == "FileNotFoundError" and loading else "ckpt.io_error"
+    rule = catalog.get(rule_id) or fallback_rule(rule_id, Category.CHECKPOINT, "A checkpoint's file operation failed")
+    return replace(root, rule=rule, reasons=root.reasons + (
+        f"the {kind} was raised inside `{f.checkpoint_frame}`: saving or loading a checkpoint failed",))
