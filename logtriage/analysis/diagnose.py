@@ -25,7 +25,7 @@ from logtriage.analysis.refine import (
     stop_for_memory,
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
-from logtriage.analysis.stopped import output_stopped
+from logtriage.analysis.stopped import output_stopped, unknown_error_line
 from logtriage.analysis.roots import ChainLink, ChainRole, RankFacts, RootCause, Verdict
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role
@@ -80,6 +80,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = _exit_only_root(failures, catalog)
     if root is None:
         root = _cut_traceback(scan, keys, catalog)
+    if root is None:
+        root = unknown_error_line(scan, keys, findings, facts, catalog)
     verdict = Verdict.FAILED if root is not None else Verdict.OK
     notes: list[str] = []
     if root is None or root.rule.category in (Category.EXTERNAL_STOP, Category.UNKNOWN) or root.rule.role is Role.EITHER:

@@ -1,7 +1,8 @@
-"""A log with no error, no exit status and no line saying the run finished: its output simply
-stops. The issue's rule is that such output is a hang (with each rank's last progress line), not a
-healthy run; a log that does not look like a training log at all (binary noise, bare prefixes)
-stays OK, since nothing in it says a job ran."""
+"""A log with no error the catalog knows, no exit status and no line saying the run finished: its
+output simply stops. The issue's rule is that such output is a hang (with each rank's last progress
+line), not a healthy run; when its last lines hold an error no rule knows, the run failed of that
+error. A log that does not look like a training log at all (binary noise, bare prefixes) stays OK,
+since nothing in it says a job ran."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
 from logtriage.demux.streams import StreamKey
 from logtriage.ingest.lines import read_lines
-from logtriage.scan import ScanResult
+from logtriage.scan import STEP, ScanResult
 
 FINISHED_RULE = "context.run_finished"
 TAIL_LINES = 40
@@ -28,24 +29,23 @@ _JOB_OUTPUT = re.compile(
     re.IGNORECASE)
 # ProcessGroupNCCL's note that destroy_process_group ran: the program reached its end
 _SHUTDOWN = re.compile(r"Process Group shutdown on rank \d+")
-_PREFIX_ONLY = re.compile(r"^(?:\s*(?:\[[^\]]{0,40}\]|<std(?:out|err)>|\d+):?)*\s*$")
+# An error line in words any program uses; INFO lines (NCCL's `-> 3` return chain) are not errors.
+_ERROR_LINE = re.compile(r"\b(?:ERROR|FATAL|FAILED|Error|Fatal|Failed|failed|error|Exception|Aborted|"
+                         r"Segmentation fault|core dumped)\b|NCCL WARN")
+_NOT_ERROR = re.compile(r"\bINFO\b|\b(?:no|without|0) errors?\b|Warning\b|\bWARN(?:ING)?\b(?<!NCCL WARN)", re.IGNORECASE)
+_PREFIX_ONLY = re.compile(r"^\s*(?:(?:\[[^\]]{0,40}\]|<std(?:out|err)>|\d{1,7}:):? ?)*$")
 
 
 def output_stopped(scan: ScanResult, keys: list[StreamKey], findings: list[Finding], facts: RankFacts,
                    catalog: Catalog) -> RootCause | None:
     """The hang the log's end implies when nothing failed and nothing says the run finished."""
-    if scan.unreadable or facts.completed or any(f.rule.id == FINISHED_RULE or _SHUTDOWN.search(f.text)
-                                                  for f in findings):
-        return None
-    last = _last_job_line(scan)
+    tail = _tail(scan, findings, facts)
+    last = next((line for line in reversed(tail) if _JOB_OUTPUT.search(line[2])), None)
     if last is None:
         return None
-    source, number, text = last
-    index = scan.indexes[source]
-    stream = keys[scan.slots.final(index.slots[number - 1])]
+    number = last[1]
     rule = catalog.get("hang.output_stopped") or fallback_rule(
         "hang.output_stopped", Category.HANG, "The output stops: no error, no exit and no line saying the run finished")
-    finding = Finding(rule, {}, source, number, stream, stream.rank_or_none, text.strip(), -1, scan.seq + 1, None)
     reasons = [f"no error, no exit status and no line saying the run finished: the output stops at line {number}"]
     if facts.last_step:
         low, high = min(facts.last_step.values()), max(facts.last_step.values())
@@ -55,20 +55,45 @@ def output_stopped(scan: ScanResult, keys: list[StreamKey], findings: list[Findi
         reasons.append("no training step was printed: it stopped during start-up")
     reasons.append("if the job is still running it is stuck after this line; if it ended, its end is not in this log")
     ranks = tuple(sorted(facts.last_step))
-    return RootCause(rule, finding, None, ranks if len(ranks) > 1 else (), 0.25, tuple(reasons))
+    return RootCause(rule, _finding(scan, keys, rule, last), None, ranks if len(ranks) > 1 else (), 0.25,
+                     tuple(reasons))
 
 
-def _last_job_line(scan: ScanResult) -> tuple[int, int, str] | None:
-    """(source, line, text) of the last line that reads as a job's output, looking only at each
-    input's last lines: the newest input first."""
+def unknown_error_line(scan: ScanResult, keys: list[StreamKey], findings: list[Finding], facts: RankFacts,
+                       catalog: Catalog) -> RootCause | None:
+    """The first line of the log's end that says error in plain words when no rule matched
+    anything: the run failed of an error the catalog does not know."""
+    tail = _tail(scan, findings, facts)
+    progress = max((i for i, line in enumerate(tail) if STEP.search(line[2])), default=-1)
+    line = next((line for line in tail[progress + 1:]     # progress after an error: the run went on
+                 if _ERROR_LINE.search(line[2]) and not _NOT_ERROR.search(line[2])), None)
+    if line is None:
+        return None
+    rule = catalog.get("unknown.error_line") or fallback_rule(
+        "unknown.error_line", Category.UNKNOWN, "An error line no rule knows, and nothing after it")
+    finding = _finding(scan, keys, rule, line)
+    return RootCause(rule, finding, finding.rank, (finding.rank,) if finding.rank is not None else (), 0.3, (
+        f"line {line[1]} reports an error no rule in the catalog knows, and nothing after it says the run went "
+        "on or finished: read it as the failure",))
+
+
+def _finding(scan: ScanResult, keys: list[StreamKey], rule, line: tuple[int, int, str]) -> Finding:
+    source, number, text = line
+    stream = keys[scan.slots.final(scan.indexes[source].slots[number - 1])]
+    return Finding(rule, {}, source, number, stream, stream.rank_or_none, text.strip(), -1, scan.seq + 1, None)
+
+
+def _tail(scan: ScanResult, findings: list[Finding], facts: RankFacts) -> list[tuple[int, int, str]]:
+    """The last lines of the newest input that has any, (source, line, text) with text in them,
+    or none when the input broke off or the log says the run finished."""
+    if scan.unreadable or facts.completed or any(f.rule.id == FINISHED_RULE or _SHUTDOWN.search(f.text)
+                                                  for f in findings):
+        return []
     for source in range(len(scan.sources) - 1, -1, -1):
         total = len(scan.indexes[source].offsets)
         if not total:
             continue
         numbers = list(range(max(1, total - TAIL_LINES + 1), total + 1))
         texts = read_lines(scan.sources[source], scan.indexes[source], numbers)
-        for number in reversed(numbers):
-            text = texts.get(number, "")
-            if not _PREFIX_ONLY.match(text) and _JOB_OUTPUT.search(text):
-                return source, number, text
-    return None
+        return [(source, n, texts.get(n, "")) for n in numbers if not _PREFIX_ONLY.match(texts.get(n, ""))]
+    return []
