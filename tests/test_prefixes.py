@@ -84,3 +84,17 @@ def test_log_collector_timestamps_only_when_the_log_uses_them():
     once = "2023-05-26T16:48:07Z started"
     assert not Dialect.detect([once, "plain line", "another"]).stamped
     assert strip_prefixes(once, PLAIN).text == once
+
+
+def test_a_paste_indented_as_a_code_block_is_read_without_its_indent():
+    # sample_logs/public16/dgl7426_*: every line of the paste starts with four spaces
+    sample = ["    Traceback (most recent call last):",
+              '      File "/graphstorm/run.py", line 190, in <module>',
+              "    torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1333, invalid usage",
+              "    Last error:"]
+    dialect = Dialect.detect(sample)
+    assert dialect.indent == 4
+    assert strip_prefixes(sample[2], dialect).text.startswith("torch.distributed.DistBackendError: NCCL error")
+    assert strip_prefixes(sample[1], dialect).text == '  File "/graphstorm/run.py", line 190, in <module>'
+    assert Dialect.detect(["step 1", "    indented", "step 2"]).indent == 0
+    assert Dialect.detect(["  two lines", "  only"]).indent == 0

@@ -1,5 +1,6 @@
 """Launcher prefixes, outermost first, each stripped once:
 
+    paste indentation   every line indented alike (a log pasted as a Markdown code block)
     collector stamp     `2023-05-26T16:48:07.093268664Z `   (docker logs -t, kubectl logs --timestamps;
                                                    only when the log uses it widely)
     srun --label        `3: `                     (the task: a rank, or a node when each task runs torchrun;
@@ -34,6 +35,7 @@ _EXCEPTHOOK = re.compile(r"^\[rank(\d{1,12})\]:(?: |(?=\[)|$)")
 _TEMPLATE = re.compile(r"^\[([^\[\]\n]{1,120})\]:? ")
 _TEMPLATE_RANK = re.compile(r"(?:^|[|,;\s])(?:global_)?rank[=:\s]?(\d{1,12})(?:$|[|,;\s/])", re.IGNORECASE)
 _TEMPLATE_LOCAL = re.compile(r"local(?:_rank)?[=:\s]?(\d{1,7})", re.IGNORECASE)
+MAX_INDENT = 8
 _NOT_HOSTS = frozenset(
     "traceback file note warning warnings error info debug critical fatal exception failures time host rank "
     "exitcode error_file traceback root cause reason message http https std stdout stderr usage hint "
@@ -51,12 +53,17 @@ class Dialect:
     stamped: bool = False      # every line starts with the log collector's RFC 3339 time
     srun_nodes: bool = False   # srun tasks are nodes (one torchrun each), not ranks
     hosts: frozenset[str] = field(default_factory=frozenset)
+    indent: int = 0            # spaces in front of every line: a paste indented as a code block
 
     @classmethod
     def detect(cls, sample: Iterable[str]) -> "Dialect":
         lines = [line for line in sample if line.strip()]
         if not lines:
             return cls()
+        indent = min(len(line) - len(line.lstrip(" ")) for line in lines)
+        indent = min(indent, MAX_INDENT) if len(lines) >= 3 else 0
+        if indent:
+            lines = [line[indent:] for line in lines]
         stamped = sum(1 for line in lines if _COLLECTOR_STAMP.match(line)) * 3 >= len(lines) * 2
         if stamped:
             lines = [_COLLECTOR_STAMP.sub("", line, count=1) for line in lines]
@@ -73,7 +80,8 @@ class Dialect:
         floor = max(5, len(lines) // 20)
         chosen = frozenset(h for h, n in hosts.items() if n >= floor and _host_like(h))
         srun = srun_hits * 3 >= len(lines) and srun_hits >= 3
-        return cls(srun=srun, stamped=stamped, hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines))
+        return cls(srun=srun, stamped=stamped, hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines),
+                   indent=indent)
 
 
 _AGENT_LINE = re.compile(r"^[IWEC]\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ \S*distributed/(?:run|elastic|launcher)")
@@ -118,6 +126,9 @@ class Prefixes:
 
 def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
     text, rank, local, host, layers = line, None, None, None, []
+    if dialect.indent and text[:dialect.indent].isspace() and len(text) >= dialect.indent:
+        text = text[dialect.indent:]
+        layers.append("indent")
     if dialect.stamped:
         m = _COLLECTOR_STAMP.match(text)
         if m:
