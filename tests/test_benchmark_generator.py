@@ -179,6 +179,23 @@ def test_synthetic_rules_load_cleanly_and_never_match_a_generated_line(tmp_path)
     assert not [l for l in lines if matcher.match(l.decode("utf-8"))]
 
 
+def test_ten_times_the_catalog_compiles_into_one_matcher(tmp_path):
+    """docs/performance.md's 10x-rules case: at 1,730 rules RE2's default 8 MB budget failed to
+    build the pattern set (a traceback, timed as a fast run); the budget is now raised."""
+    pytest.importorskip("re2")
+    from logtriage.catalog.loader import load_catalog
+    from logtriage.catalog.matcher import Matcher
+
+    base = len(load_catalog([]).rules)
+    rules = tmp_path / "rules"
+    write_synthetic_rules(rules, base * 9)
+    catalog = load_catalog([rules])
+    assert len(catalog.rules) == base * 10
+    matcher = Matcher(catalog)
+    hits = [h.rule.id for h in matcher.match("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB")]
+    assert hits[0] == "cuda.oom" and not [h for h in hits if h.startswith("bench.")]
+
+
 def test_report_check_compares_rule_rank_and_line(tmp_path):
     report = tmp_path / "report.json"
     expect = {"verdict": "failed", "rule": "cuda.oom", "rank": 3, "line": 120}

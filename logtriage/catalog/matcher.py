@@ -15,6 +15,9 @@ import re2
 from logtriage.catalog.compiled import CompiledRule
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Engine, Rule
+from logtriage.errors import CatalogError
+
+SET_MAX_MEM = 256 << 20      # RE2's default (8 MB) fails to build a set of ~1,500 patterns
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,9 @@ class RuleHit:
 class Matcher:
     def __init__(self, catalog: Catalog):
         self._rules = [c for c in catalog.rules if c.rule.patterns]
-        self._set = re2.Set.SearchSet()
+        options = re2.Options()
+        options.max_mem = SET_MAX_MEM
+        self._set = re2.Set.SearchSet(options)
         self._owner: list[CompiledRule] = []
         self._slow: list[CompiledRule] = []
         for compiled in self._rules:
@@ -38,7 +43,11 @@ class Matcher:
                 self._slow.append(compiled)
         self._empty = not self._owner
         if not self._empty:
-            self._set.Compile()
+            try:
+                self._set.Compile()
+            except re2.error as exc:
+                raise CatalogError(f"the catalog's {len(self._owner)} patterns do not compile together "
+                                   f"within RE2's {SET_MAX_MEM >> 20} MB: {exc}") from None
 
     @property
     def rules(self) -> list[CompiledRule]:
