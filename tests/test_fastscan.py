@@ -54,9 +54,9 @@ def test_fast_scan_reads_plain_files_itself():
     taken = {name: _fast(str(log))[1] for name, log in paths.items()}
     handed = sorted(name for name, how in taken.items() if how != ["ranges"])
     assert len(paths) - len(handed) >= 300
-    for name in handed:   # only logs whose launcher prefixes (srun, hosts, collector stamps) it leaves alone
-        dialect = Dialect.detect(clean(decode(raw)) for raw in paths[name].read_bytes().split(b"\n")[:200])
-        assert taken[name] == ["exact"] and (dialect.srun or dialect.hosts or dialect.stamped), name
+    for name in handed:   # only logs whose launcher prefixes (srun tasks as nodes, hosts, stamps) it leaves alone
+        dialect = Dialect.detect(clean(decode(raw)) for raw in paths[name].read_bytes().split(b"\n")[:4000])
+        assert taken[name] == ["exact"] and (dialect.srun_nodes or dialect.hosts or dialect.stamped), name
 
 
 @pytest.mark.parametrize("style", ["plain", "tee", "srun"])
@@ -70,7 +70,8 @@ def test_fast_scan_report_equals_exact_on_generated_logs(tmp_path, style, failur
     fast, taken = _fast(str(log))
     assert fast == exact
     assert exact["input_lines"] == sum(s["lines"] for s in exact["streams"])
-    assert taken == (["exact"] if style == "srun" else ["ranges"])
+    dialect = Dialect.detect(clean(decode(raw)) for raw in log.read_bytes().split(b"\n")[:4000])
+    assert taken == (["exact"] if dialect.srun_nodes else ["ranges"])
 
 
 def test_fast_scan_with_worker_processes(tmp_path):

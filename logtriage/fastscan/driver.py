@@ -7,11 +7,9 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import tempfile
-import zlib
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
@@ -19,9 +17,9 @@ from logtriage.catalog.matcher import Matcher
 from logtriage.demux.clean import clean, decode
 from logtriage.demux.prefixes import Dialect
 from logtriage.errors import InputError
+from logtriage.fastscan.chunks import file_chunks, stream_chunks
 from logtriage.fastscan.flags import CANDIDATE, NOT_PLAIN
 from logtriage.fastscan.merge import ChunkLines, ChunkMerger
-from logtriage.ingest.reader import open_source
 from logtriage.ingest.sources import Source, starts_gzip
 from logtriage.scan import DIALECT_SAMPLE, LineScanner, ScanResult, SourceIndex, new_result
 
@@ -80,22 +78,23 @@ def _scan_source(result, source, index, matcher, prefilter, pool, progress) -> N
         with open(path, "rb") as f:
             head_bytes = f.read(1 << 20)
     else:
-        chunks = _stream_chunks(source, index)
+        chunks = stream_chunks(source, index, CHUNK_BYTES)
         first = next(chunks, None)
         head_bytes = b"" if first is None else bytes(first[1][: 1 << 20])
     head = head_bytes.split(b"\n", DIALECT_SAMPLE)[:DIALECT_SAMPLE] if head_bytes else []
     scanner = LineScanner(result, source, index, matcher, Dialect.detect(clean(decode(raw)) for raw in head))
     dialect = scanner.assigner.dialect
-    if dialect.srun or dialect.hosts or dialect.stamped:   # prefixes the kernel does not parse
-        _exact(scanner, _file_chunks(source) if path is not None else itertools.chain([first] if first else [], chunks))
+    srun = dialect.srun and not dialect.srun_nodes
+    if dialect.srun_nodes or dialect.hosts or dialect.stamped:   # prefixes the kernel does not parse
+        _exact(scanner, file_chunks(source, CHUNK_BYTES, IN_FLIGHT) if path is not None else itertools.chain([first] if first else [], chunks))
     elif path is not None:
-        _file_ranges(scanner, path, pool, prefilter, progress)
+        _file_ranges(scanner, path, pool, prefilter, progress, srun)
     elif first is not None:
-        _stream(scanner, itertools.chain([first], chunks), pool, prefilter, progress)
+        _stream(scanner, itertools.chain([first], chunks), pool, prefilter, progress, srun)
     scanner.close()
 
 
-def _file_ranges(scanner: LineScanner, path: str, pool, prefilter, progress) -> None:
+def _file_ranges(scanner: LineScanner, path: str, pool, prefilter, progress, srun: bool) -> None:
     """A regular file: workers read and analyse byte ranges themselves (the lines that start in
     each range); this process only reads back the few lines the exact path needs."""
     global _PREFILTER
@@ -109,7 +108,8 @@ def _file_ranges(scanner: LineScanner, path: str, pool, prefilter, progress) -> 
     try:
         for low in range(0, size, CHUNK_BYTES):
             high = min(low + CHUNK_BYTES, size)
-            job = pool.submit(_analyse_range, path, low, high, hint) if pool else _analyse_range(path, low, high, hint)
+            job = (pool.submit(_analyse_range, path, low, high, hint, srun) if pool
+                   else _analyse_range(path, low, high, hint, srun))
             pending.append(job)
             if len(pending) >= IN_FLIGHT:
                 number = _merge_range(merger, fd, pending.popleft(), number, progress)
@@ -128,13 +128,14 @@ def _merge_range(merger: ChunkMerger, fd: int, job, number: int, progress) -> in
     return number + len(lines.starts)
 
 
-def _stream(scanner: LineScanner, chunks, pool, prefilter, progress) -> None:
+def _stream(scanner: LineScanner, chunks, pool, prefilter, progress, srun: bool) -> None:
     hint = -1 if scanner.source.rank_hint is None else scanner.source.rank_hint
     merger = ChunkMerger(scanner)
     number = 1
     pending: deque = deque()
     for base, data in chunks:
-        job = pool.submit(_analyse, bytes(data), hint) if pool is not None else _analyse(data, hint, prefilter)
+        job = (pool.submit(_analyse, bytes(data), hint, srun) if pool is not None
+               else _analyse(data, hint, srun, prefilter))
         pending.append((base, data, job))
         if len(pending) >= IN_FLIGHT:
             number = _merge(merger, pending.popleft(), number, progress)
@@ -179,7 +180,8 @@ def _exact(scanner: LineScanner, chunks) -> None:
             offset += len(raw) + 1
 
 
-def _analyse(data, rank_hint: int, prefilter=None, offset: int = 0, size: int | None = None) -> ChunkLines:
+def _analyse(data, rank_hint: int, srun: bool = False, prefilter=None, offset: int = 0,
+             size: int | None = None) -> ChunkLines:
     """The per-line arrays of `data[offset:offset + size]` (whole lines), without copying it."""
     from logtriage.fastscan import kernel
     prefilter = prefilter or _PREFILTER
@@ -192,14 +194,14 @@ def _analyse(data, rank_hint: int, prefilter=None, offset: int = 0, size: int | 
     flags = np.empty(n, dtype=np.uint8)
     cuts = np.empty(n, dtype=np.int32)
     ranks2 = np.empty(n, dtype=np.int64)
-    kernel.classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2)
+    kernel.classify(buf, rank_hint, srun, starts, messages, ranks, flags, cuts, ranks2)
     whole = data if isinstance(data, bytes) else bytes(data)
     candidates = prefilter.candidate_lines(whole, starts, offset, size)
     flags[candidates] |= CANDIDATE
     return ChunkLines(starts, messages, ranks, flags, cuts, ranks2)
 
 
-def _analyse_range(path: str, low: int, high: int, rank_hint: int) -> tuple[int, int, ChunkLines]:
+def _analyse_range(path: str, low: int, high: int, rank_hint: int, srun: bool = False) -> tuple[int, int, ChunkLines]:
     """The lines whose first byte lies in [low, high): (their start, their length, analysis)."""
     with open(path, "rb") as f:
         fd = f.fileno()
@@ -211,7 +213,7 @@ def _analyse_range(path: str, low: int, high: int, rank_hint: int) -> tuple[int,
             nl = buf.find(b"\n")
             first = nl + 1 if 0 <= nl < high - base else -1
         if first < 0:
-            return low, 0, _analyse(b"", rank_hint)       # inside one long line that started earlier
+            return low, 0, _analyse(b"", rank_hint, srun)   # inside one long line that started earlier
         end = buf.find(b"\n", high - 1 - base)
         overlong = end < 0 and len(buf) >= high - base + RANGE_TAIL
         position = len(buf)
@@ -223,7 +225,7 @@ def _analyse_range(path: str, low: int, high: int, rank_hint: int) -> tuple[int,
             end = position + found if found >= 0 else -1
             position += len(more)
         stop = end + 1 if end >= 0 else position
-        lines = _analyse(buf, rank_hint, offset=first, size=min(stop, len(buf)) - first)
+        lines = _analyse(buf, rank_hint, srun, offset=first, size=min(stop, len(buf)) - first)
         if overlong and len(lines.flags):
             lines.flags[-1] |= NOT_PLAIN   # analysed in part: the merge reads it back (capped) and matches it
     return base + first, stop - first, lines
@@ -265,73 +267,3 @@ def _pool(workers: int | None, prefilter) -> ProcessPoolExecutor | None:
     context = multiprocessing.get_context("fork")
     return ProcessPoolExecutor(max_workers=count, mp_context=context, initializer=_init_worker,
                                initargs=(prefilter, os.getpid()))
-
-
-def _file_chunks(source: Source) -> Iterator[tuple[int, memoryview]]:
-    """(offset, whole-line chunk) of a regular file, read into a small ring of reused buffers
-    (a chunk stays valid until IN_FLIGHT more have been read)."""
-    try:
-        fd = os.open(source.path, os.O_RDONLY)
-    except OSError as exc:
-        raise InputError(f"{source.name}: cannot open ({exc.strerror or exc})") from None
-    ring = [bytearray(CHUNK_BYTES) for _ in range(IN_FLIGHT + 1)]
-    turn = offset = 0
-    try:
-        while True:
-            buf = ring[turn % len(ring)]
-            got = os.preadv(fd, [buf], offset)
-            if got == 0:
-                return
-            size = got
-            if got == len(buf):                       # not at the end: stop after the last newline
-                cut = buf.rfind(b"\n", 0, got)
-                while cut < 0:                        # a line longer than the buffer: a bigger one
-                    bigger = bytearray(2 * len(buf))
-                    bigger[:got] = buf[:got]
-                    buf = ring[turn % len(ring)] = bigger
-                    more = os.preadv(fd, [memoryview(buf)[got:]], offset + got)
-                    got += more
-                    if more == 0 or got < len(buf):
-                        cut = got - 1                 # the end of the file
-                        break
-                    cut = buf.rfind(b"\n", 0, got)
-                size = cut + 1
-            yield offset, memoryview(buf)[:size]
-            offset += size
-            turn += 1
-    finally:
-        os.close(fd)
-
-
-def _stream_chunks(source: Source, index: SourceIndex) -> Iterator[tuple[int, bytes]]:
-    """(offset, bytes) of whole-line chunks of stdin or a .gz; stdin is spooled to a temp file."""
-    spool = None
-    if source.is_stdin:
-        spool = index.spool = tempfile.TemporaryFile()
-    with open_source(source) as stream:
-        carry = b""
-        offset = 0
-        while True:
-            try:
-                block = stream.read(CHUNK_BYTES)
-            except (EOFError, OSError, ValueError, zlib.error) as exc:
-                raise InputError(f"{source.name}: corrupt or truncated compressed data after "
-                                 f"{offset + len(carry)} bytes ({exc})") from None
-            if spool is not None and block:
-                spool.write(block)
-            if not block:
-                if carry:
-                    yield offset, carry
-                return
-            cut = block.rfind(b"\n")
-            if cut < 0:
-                carry += block
-                continue
-            if carry:
-                data, carry = carry + block[: cut + 1], block[cut + 1:]
-            elif cut == len(block) - 1:
-                data, carry = block, b""
-            else:
-                data, carry = block[: cut + 1], block[cut + 1:]
-            yield offset, data
-            offset += len(data)

@@ -104,6 +104,18 @@ def _excepthook(buf, i, end):
 
 
 @njit(cache=True, nogil=True)
+def _srun_label(buf, i, end):
+    """Slurm's `srun --label` prefix, ` {0,6}(\\d{1,7}): ` at i: (task, message start) or (-1, -1)."""
+    k = i
+    while k < end and k - i < 6 and buf[k] == 32:
+        k += 1
+    value, digits, k = _number(buf, k, end, 7)
+    if digits == 0 or digits > 7 or k + 1 >= end or buf[k] != 58 or buf[k + 1] != 32:
+        return -1, -1
+    return value, k + 2
+
+
+@njit(cache=True, nogil=True)
 def _tee(buf, i, end):
     """`[role(\\d{1,7})\\]:` at i with role letters/_/- (not "rank"): (local rank, after) or (-1, -1)."""
     if end - i < 4 or buf[i] != 91:
@@ -477,8 +489,9 @@ def _redraw(buf, start, end):
 
 
 @njit(cache=True, nogil=True)
-def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
-    """Fill the per-line arrays for `buf` (whole lines); returns the number of lines."""
+def classify(buf, rank_hint, srun, starts, messages, ranks, flags, cuts, ranks2):
+    """Fill the per-line arrays for `buf` (whole lines); returns the number of lines. `srun`: the
+    log uses Slurm's `--label` prefix and its tasks are ranks (demux Dialect.srun, not srun_nodes)."""
     cap = starts.shape[0]
     ends = np.empty(cap, dtype=np.int64)
     bad = np.empty(cap, dtype=np.bool_)
@@ -517,9 +530,19 @@ def classify(buf, rank_hint, starts, messages, ranks, flags, cuts, ranks2):
             flag = NOT_PLAIN
         explicit = False
         if flag == 0:
-            if buf[i] == 91:
-                local, after = _tee(buf, i, end)
+            labelled = False
+            if srun:
+                task, after = _srun_label(buf, i, end)
+                if task >= 0:
+                    rank = task
+                    c = after
+                    explicit = True
+                    labelled = True
+            if c < end and buf[c] == 91:
+                local, after = _tee(buf, c, end)
                 if local >= 0:
+                    if labelled:
+                        flag = NOT_PLAIN   # a task label and a local rank: the exact path weighs them
                     rank = local
                     c = after
                     explicit = True
