@@ -96,3 +96,22 @@ def test_a_file_system_error_inside_a_checkpoint_save_is_a_checkpoint_failure(tm
     assert triage([str(log)]).to_dict()["root_cause"]["category"] == "python_exception"
     log.write_text(frames.format(func="save_checkpoint", error="KeyError: 'optimizer'"))
     assert triage([str(log)]).to_dict()["root_cause"]["category"] == "python_exception"
+
+
+def test_an_abort_after_the_watchdogs_dump_signal_is_the_timeouts_teardown(tmp_path):
+    # ProcessGroupNCCL's texts (torch 2.4+, ProcessGroupNCCL.cpp): rank 3 detected the timeout,
+    # rank 1 was told to dump and then terminated; nothing names the rank that hung
+    log = tmp_path / "dump.log"
+    log.write_text(
+        "[rank1]:[E703 21:51:54.112142364 ProcessGroupNCCL.cpp:1987] [PG ID 0 PG GUID 0(default_pg) Rank 1] "
+        "Received a dump signal due to a collective timeout from  rank 3 and we will try our best to dump the "
+        "debug info. Last enqueued NCCL work: 56116, last completed NCCL work: 56116.\n"
+        "[rank1]:[F703 21:52:54.112142364 ProcessGroupNCCL.cpp:1555] [PG ID 0 PG GUID 0(default_pg) Rank 1] "
+        "Terminating the process after attempting to dump debug info, due to collective timeout or exception.\n"
+        "E0703 21:52:58.000000 4242 torch/distributed/elastic/multiprocessing/api.py:882] failed (exitcode: -6) "
+        "local_rank: 1 (pid: 4243) of binary: /usr/bin/python\n")
+    report = triage([str(log)]).to_dict()
+    rc = report["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["rank"], rc["line"]) == ("collective_timeout", "nccl.flight_recorder", None, 1)
+    assert [(c["rule_id"], c["role"]) for c in report["chain"]] == [("nccl.flight_recorder", "initiating"),
+                                                                    ("signal.sigabrt", "cascade")]

@@ -18,6 +18,7 @@ from logtriage.analysis.hangs import (
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid
 from logtriage.analysis.refine import (
     PEER_LEFT_RULES,
+    abort_after_dump_signal,
     checkpoint_io,
     exit_rule,
     peer_that_left,
@@ -71,7 +72,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
         root = sigkill_on_gpu_job(root, catalog)
     if root is not None:
-        root = checkpoint_io(root, catalog)
+        root = abort_after_dump_signal(checkpoint_io(root, catalog), findings)
     if root is None:
         root = _unrecognised_exception(scan, keys, catalog)
     if root is None and (failures or "traceback" in scan.block_kinds.values()):

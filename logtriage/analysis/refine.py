@@ -1,7 +1,8 @@
 """Second readings of a chosen root: the same evidence read in its context. A peer's closed
 connection points at the rank that left; a stop signal with a memory reason is that reason; a bare
 SIGKILL on a GPU job is the OOM killer; a file-system error raised while saving or loading a
-checkpoint is a checkpoint failure."""
+checkpoint is a checkpoint failure; an abort that follows the watchdog's dump signal is the
+collective timeout's teardown."""
 
 from __future__ import annotations
 
@@ -89,3 +90,26 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
     rule = catalog.get(rule_id) or fallback_rule(rule_id, Category.CHECKPOINT, "A checkpoint's file operation failed")
     return replace(root, rule=rule, reasons=root.reasons + (
         f"the {kind} was raised inside `{f.checkpoint_frame}`: saving or loading a checkpoint failed",))
+
+
+DUMP_SIGNAL_RULE = "nccl.flight_recorder"
+
+
+def abort_after_dump_signal(root: RootCause, findings: list[Finding]) -> RootCause:
+    """A rank's only error is its abort (SIGABRT, an exit code) after ProcessGroupNCCL's dump signal
+    ("Received a dump signal due to a collective timeout from rank N", then "Terminating the
+    process after attempting to dump debug info"): the watchdog killed it because a collective
+    timed out somewhere. The failure is that timeout; the rank that detected it is named, and no
+    rank is blamed, since the signal reaches the rank that hung too."""
+    if root.rule.role is not Role.EITHER or root.rule.category not in (Category.CRASH_SIGNAL, Category.UNKNOWN):
+        return root
+    dumps = [f for f in findings if f.rule.id == DUMP_SIGNAL_RULE]
+    if not dumps:
+        return root
+    first = dumps[0]
+    peer = first.captures.get("peer")
+    detected = f"rank {peer}" if peer and peer.isdigit() else "this rank's own watchdog"
+    return RootCause(first.rule, first, None, (), 0.45, (
+        f"a collective timed out ({detected} detected it) and ProcessGroupNCCL's watchdog then stopped the "
+        f"process ({root.rule.id} is that teardown); the rank that never reached the collective is not in "
+        "this log: look for the one whose last step or collective differs",))
