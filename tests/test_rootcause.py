@@ -115,3 +115,14 @@ def test_an_abort_after_the_watchdogs_dump_signal_is_the_timeouts_teardown(tmp_p
     assert (rc["category"], rc["rule_id"], rc["rank"], rc["line"]) == ("collective_timeout", "nccl.flight_recorder", None, 1)
     assert [(c["rule_id"], c["role"]) for c in report["chain"]] == [("nccl.flight_recorder", "initiating"),
                                                                     ("signal.sigabrt", "cascade")]
+
+
+def test_ray_workers_that_cannot_be_scheduled_are_a_hang(tmp_path):
+    # ray-project/ray#19919: Ray Train asked for a GPU the cluster did not have, and waited
+    log = tmp_path / "ray.log"
+    log.write_text("2021-10-30 18:07:43,365 INFO trainer.py:145 -- Trainer logs will be logged in: /tmp/r\n"
+                   "(scheduler +17s) Warning: The following resource request cannot be scheduled right now: "
+                   "{'GPU': 1.0, 'CPU': 1.0}. This is likely due to all cluster resources being claimed by actors.\n")
+    report = triage([str(log)]).to_dict()
+    rc = report["root_cause"]
+    assert (report["verdict"], rc["category"], rc["rule_id"], rc["line"]) == ("hung", "hang", "hang.ray_unschedulable", 2)

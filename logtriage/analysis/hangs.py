@@ -28,6 +28,9 @@ def waiting(findings: list[Finding], facts: RankFacts) -> RootCause | None:
     arrived = max((int(f.captures["worker_count"]) for f in waiting if f.captures.get("worker_count", "").isdigit()),
                   default=0)
     missing = missing_from_barrier(waiting)
+    if not world and not arrived:   # a wait that is not a barrier's (a scheduler's, a store's)
+        return RootCause(first.rule, first, None, (), 0.45, (
+            f"{first.rule.title}; nothing failed, and the log ends while it waits",))
     reasons = [f"{arrived or len(waiting)} of {world or '?'} ranks reached the barrier and wait; nothing failed"]
     if missing and len(missing) <= 8:
         reasons.append(f"rank(s) {', '.join(map(str, missing))} never arrived: look at what they were doing")
