@@ -52,7 +52,7 @@ def output_stopped(scan: ScanResult, keys: list[StreamKey], findings: list[Findi
         reasons.append(f"the ranks' last progress lines reached step {low}" if low == high
                        else f"the ranks' last progress lines reached steps {low}-{high}")
     else:
-        reasons.append("no training step was printed: it stopped during start-up")
+        reasons.append("no progress (step) line was printed: it stopped during start-up or its first steps")
     reasons.append("if the job is still running it is stuck after this line; if it ended, its end is not in this log")
     ranks = tuple(sorted(facts.last_step))
     return RootCause(rule, _finding(scan, keys, rule, last), None, ranks if len(ranks) > 1 else (), 0.25,
