@@ -98,3 +98,16 @@ def test_a_paste_indented_as_a_code_block_is_read_without_its_indent():
     assert strip_prefixes(sample[1], dialect).text == '  File "/graphstorm/run.py", line 190, in <module>'
     assert Dialect.detect(["step 1", "    indented", "step 2"]).indent == 0
     assert Dialect.detect(["  two lines", "  only"]).indent == 0
+
+
+def test_a_short_paste_with_a_node_name_on_every_line_reads_it_as_a_host():
+    # sample_logs/public10/ds2899_*: three lines, all `node01: `, too few for the usual floor
+    sample = ["node01: ret = input.softmax(dim, dtype=dtype)",
+              "node01:     ret = input.softmax(dim, dtype=dtype)",
+              "node01: torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 896.00 MiB"]
+    dialect = Dialect.detect(sample)
+    assert dialect.hosts == {"node01"}
+    p = strip_prefixes(sample[2], dialect)
+    assert (p.host, p.text) == ("node01", "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 896.00 MiB")
+    # plain words before a colon (a config dump) are not node names
+    assert Dialect.detect(["model: llama", "lr: 0.1", "epochs: 3"]).hosts == frozenset()

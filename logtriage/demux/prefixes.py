@@ -79,6 +79,11 @@ class Dialect:
                 hosts[m.group(1)] += 1
         floor = max(5, len(lines) // 20)
         chosen = frozenset(h for h, n in hosts.items() if n >= floor and _host_like(h))
+        named = {h: n for h, n in hosts.items() if _host_like(h) and any(c.isdigit() or c in "-." for c in h)}
+        if len(lines) >= 3 and sum(named.values()) * 3 >= len(lines) * 2:
+            # a short paste where (nearly) every line carries a node name (`node01: `, `node-b: `):
+            # too few lines for the floor, but the convention is plain
+            chosen |= frozenset(named)
         srun = srun_hits * 3 >= len(lines) and srun_hits >= 3
         return cls(srun=srun, stamped=stamped, hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines),
                    indent=indent)
