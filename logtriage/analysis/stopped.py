@@ -33,7 +33,7 @@ _SHUTDOWN = re.compile(r"Process Group shutdown on rank \d+")
 _ERROR_LINE = re.compile(r"\b(?:ERROR|FATAL|FAILED|Error|Fatal|Failed|failed|error|Exception|Aborted|"
                          r"Segmentation fault|core dumped)\b|NCCL WARN")
 _NOT_ERROR = re.compile(r"\bINFO\b|\b(?:no|without|0) errors?\b|Warning\b|\bWARN(?:ING)?\b(?<!NCCL WARN)|"
-                        r"^Exception ignored in\b", re.IGNORECASE)
+                        r"\bException ignored in\b", re.IGNORECASE)
 _PREFIX_ONLY = re.compile(r"^\s*(?:(?:\[[^\]]{0,40}\]|<std(?:out|err)>|\d{1,7}:):? ?)*$")
 
 
