@@ -126,3 +126,26 @@ def test_ray_workers_that_cannot_be_scheduled_are_a_hang(tmp_path):
     report = triage([str(log)]).to_dict()
     rc = report["root_cause"]
     assert (report["verdict"], rc["category"], rc["rule_id"], rc["line"]) == ("hung", "hang", "hang.ray_unschedulable", 2)
+
+
+def test_the_end_of_a_log_without_known_errors(tmp_path):
+    """An error no rule knows at the log's end fails the run; a warning, a shutdown note or an
+    error followed by progress does not; with none, output that just stops is a hang."""
+    log = tmp_path / "end.log"
+    cases = [
+        ("Loading model\nWeird failure: the frobnicator failed to start\n", "failed", "unknown.error_line", 2),
+        ("[rank0]: step 3 loss 0.2\n[rank0]: Exception ignored in: <function _MultiProcessingDataLoaderIter.__del__>\n",
+         "hung", "hang.output_stopped", 2),
+        ("UserWarning: Failed to load image Python extension\n[rank0]: step 1 loss 0.3\n[rank0]: step 2 loss 0.2\n",
+         "hung", "hang.output_stopped", 3),
+        ("node:1:1 [0] NCCL INFO Bootstrap : Using eth0:10.0.0.1<0>\n"
+         "node:1:1 [0] NCCL WARN Failed to open libibverbs.so[.1]\n", "hung", "hang.nccl_init_stalled", None),
+        ("[rank0]: step 5 loss 0.1\ntraining finished\n", "ok", None, None),
+    ]
+    for text, verdict, rule, line in cases:
+        log.write_text(text)
+        report = triage([str(log)]).to_dict()
+        rc = report["root_cause"] or {}
+        assert (report["verdict"], rc.get("rule_id")) == (verdict, rule), text
+        if line is not None:
+            assert rc["line"] == line, text

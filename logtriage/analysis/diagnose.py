@@ -81,8 +81,6 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = _exit_only_root(failures, catalog)
     if root is None:
         root = _cut_traceback(scan, keys, catalog)
-    if root is None:
-        root = unknown_error_line(scan, keys, findings, facts, catalog)
     verdict = Verdict.FAILED if root is not None else Verdict.OK
     notes: list[str] = []
     if root is None or root.rule.category in (Category.EXTERNAL_STOP, Category.UNKNOWN) or root.rule.role is Role.EITHER:
@@ -97,10 +95,15 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is None:
         root = waiting(findings, facts)
         if root is None and not scan.unreadable:   # output that stops where the input broke off says nothing
-            root = (hang_from_progress(facts, catalog) or stalled_in_nccl_init(scan, findings, facts, catalog)
-                    or output_stopped(scan, keys, findings, facts, catalog))
+            root = hang_from_progress(facts, catalog) or stalled_in_nccl_init(scan, findings, facts, catalog)
         if root is not None:
             verdict = Verdict.HUNG
+    if root is None:   # the log's end: an error no rule knows fails the run, else the output just stops
+        root = unknown_error_line(scan, keys, findings, facts, catalog)
+        verdict = Verdict.FAILED if root is not None else Verdict.OK
+        if root is None:
+            root = output_stopped(scan, keys, findings, facts, catalog)
+            verdict = Verdict.HUNG if root is not None else Verdict.OK
     if scan.unreadable:
         notes.append("the input ended early (damaged or truncated): errors after that point are not in this report")
     chain = build_chain(root, findings)

@@ -29,9 +29,10 @@ _JOB_OUTPUT = re.compile(
     re.IGNORECASE)
 # ProcessGroupNCCL's note that destroy_process_group ran: the program reached its end
 _SHUTDOWN = re.compile(r"Process Group shutdown on rank \d+")
-# An error line in words any program uses; INFO lines (NCCL's `-> 3` return chain) are not errors.
+# An error line in words any program uses; INFO lines (NCCL's `-> 3` return chain) are not errors,
+# and neither is a warning (NCCL's WARN lines count only when they say failed or error).
 _ERROR_LINE = re.compile(r"\b(?:ERROR|FATAL|FAILED|Error|Fatal|Failed|failed|error|Exception|Aborted|"
-                         r"Segmentation fault|core dumped)\b|NCCL WARN")
+                         r"Segmentation fault|core dumped)\b")
 _NOT_ERROR = re.compile(r"\bINFO\b|\b(?:no|without|0) errors?\b|Warning\b|\bWARN(?:ING)?\b(?<!NCCL WARN)|"
                         r"\bException ignored in\b", re.IGNORECASE)
 _PREFIX_ONLY = re.compile(r"^\s*(?:(?:\[[^\]]{0,40}\]|<std(?:out|err)>|\d{1,7}:):? ?)*$")
