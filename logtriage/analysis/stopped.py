@@ -19,6 +19,7 @@ from logtriage.scan import STEP, ScanResult
 
 FINISHED_RULE = "context.run_finished"
 TAIL_LINES = 40
+MAX_SOURCES = 64     # a folder of per-rank files: the tails of its last files
 
 # What makes a line a training job's output rather than noise: a log record's stamp or level, or
 # the vocabulary of distributed training.
@@ -65,10 +66,15 @@ def unknown_error_line(scan: ScanResult, keys: list[StreamKey], findings: list[F
                        catalog: Catalog) -> RootCause | None:
     """The first line of the log's end that says error in plain words when no rule matched
     anything: the run failed of an error the catalog does not know."""
+    line = None
     tail = _tail(scan, findings, facts)
-    progress = max((i for i, line in enumerate(tail) if STEP.search(line[2])), default=-1)
-    line = next((line for line in tail[progress + 1:]     # progress after an error: the run went on
-                 if _ERROR_LINE.search(line[2]) and not _NOT_ERROR.search(line[2])), None)
+    for source in sorted({s for s, _, _ in tail}):
+        own = [t for t in tail if t[0] == source]
+        progress = max((i for i, t in enumerate(own) if STEP.search(t[2])), default=-1)
+        line = next((t for t in own[progress + 1:]     # progress after an error: the run went on
+                     if _ERROR_LINE.search(t[2]) and not _NOT_ERROR.search(t[2])), None)
+        if line is not None:
+            break
     if line is None:
         return None
     rule = catalog.get("unknown.error_line") or fallback_rule(
@@ -86,16 +92,15 @@ def _finding(scan: ScanResult, keys: list[StreamKey], rule, line: tuple[int, int
 
 
 def _tail(scan: ScanResult, findings: list[Finding], facts: RankFacts) -> list[tuple[int, int, str]]:
-    """The last lines of the newest input that has any, (source, line, text) with text in them,
-    or none when the input broke off or the log says the run finished."""
+    """The last lines of each input (of a folder: its last MAX_SOURCES files), (source, line,
+    text) with text in them, or none when the input broke off or the log says the run finished."""
     if scan.unreadable or facts.completed or any(f.rule.id == FINISHED_RULE or _SHUTDOWN.search(f.text)
                                                   for f in findings):
         return []
-    for source in range(len(scan.sources) - 1, -1, -1):
+    tail: list[tuple[int, int, str]] = []
+    for source in range(max(0, len(scan.sources) - MAX_SOURCES), len(scan.sources)):
         total = len(scan.indexes[source].offsets)
-        if not total:
-            continue
         numbers = list(range(max(1, total - TAIL_LINES + 1), total + 1))
-        texts = read_lines(scan.sources[source], scan.indexes[source], numbers)
-        return [(source, n, texts.get(n, "")) for n in numbers if not _PREFIX_ONLY.match(texts.get(n, ""))]
-    return []
+        texts = read_lines(scan.sources[source], scan.indexes[source], numbers) if numbers else {}
+        tail += [(source, n, texts.get(n, "")) for n in numbers if not _PREFIX_ONLY.match(texts.get(n, ""))]
+    return tail
