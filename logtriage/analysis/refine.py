@@ -93,15 +93,18 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
 
 
 DUMP_SIGNAL_RULE = "nccl.flight_recorder"
+ABORT_RULE = "nccl.async_abort"
 
 
 def abort_after_dump_signal(root: RootCause, findings: list[Finding]) -> RootCause:
-    """A rank's only error is its abort (SIGABRT, an exit code) after ProcessGroupNCCL's dump signal
-    ("Received a dump signal due to a collective timeout from rank N", then "Terminating the
-    process after attempting to dump debug info"): the watchdog killed it because a collective
+    """A rank's only error is its abort (SIGABRT, an exit code, NCCL's "failed or timed out" abort)
+    after ProcessGroupNCCL's dump signal ("Received a dump signal due to a collective timeout from
+    rank N", then "Terminating the process after attempting to dump debug info"): the watchdog killed it because a collective
     timed out somewhere. The failure is that timeout; the rank that detected it is named, and no
     rank is blamed, since the signal reaches the rank that hung too."""
-    if root.rule.role is not Role.EITHER or root.rule.category not in (Category.CRASH_SIGNAL, Category.UNKNOWN):
+    aborted = root.rule.id == ABORT_RULE          # "Some NCCL operations have failed or timed out"
+    if not aborted and (root.rule.role is not Role.EITHER
+                        or root.rule.category not in (Category.CRASH_SIGNAL, Category.UNKNOWN)):
         return root
     dumps = [f for f in findings if f.rule.id == DUMP_SIGNAL_RULE]
     if not dumps:
