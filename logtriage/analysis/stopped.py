@@ -13,6 +13,7 @@ from logtriage.analysis.hangs import fallback_rule
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
+from logtriage.demux.prefixes import Dialect, strip_prefixes
 from logtriage.demux.streams import StreamKey
 from logtriage.ingest.lines import read_lines
 from logtriage.scan import STEP, ScanResult
@@ -88,7 +89,8 @@ def unknown_error_line(scan: ScanResult, keys: list[StreamKey], findings: list[F
 def _finding(scan: ScanResult, keys: list[StreamKey], rule, line: tuple[int, int, str]) -> Finding:
     source, number, text = line
     stream = keys[scan.slots.final(scan.indexes[source].slots[number - 1])]
-    return Finding(rule, {}, source, number, stream, stream.rank_or_none, text.strip(), -1, scan.seq + 1, None)
+    message = strip_prefixes(text, Dialect()).text.strip()   # the report's text: prefixes stripped
+    return Finding(rule, {}, source, number, stream, stream.rank_or_none, message, -1, scan.seq + 1, None)
 
 
 def _tail(scan: ScanResult, findings: list[Finding], facts: RankFacts) -> list[tuple[int, int, str]]:
