@@ -85,6 +85,7 @@ class ScanResult:
     block_exceptions: dict[int, str] = field(default_factory=dict)
     block_collectives: dict[int, str] = field(default_factory=dict)   # the c10d call a traceback was in
     block_checkpoint_frames: dict[int, str] = field(default_factory=dict)   # its checkpoint save/load frame
+    block_last_frames: dict[int, str] = field(default_factory=dict)   # its innermost frame's function
     block_exception_lines: dict[int, tuple[int, int]] = field(default_factory=dict)  # -> (source, line)
     indexes: list[SourceIndex] = field(default_factory=list)
     input_lines: int = 0
@@ -147,6 +148,7 @@ class LineScanner:
         result.block_exceptions.update(assigner.exceptions)
         result.block_collectives.update(assigner.collectives)
         result.block_checkpoint_frames.update(assigner.checkpoint_frames)
+        result.block_last_frames.update(assigner.last_frames)
         for block_id, line in assigner.exception_lines.items():
             result.block_exception_lines[block_id] = (self.source.index, line)
         result.input_lines += self.lines

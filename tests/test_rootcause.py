@@ -149,3 +149,34 @@ def test_the_end_of_a_log_without_known_errors(tmp_path):
         assert (report["verdict"], rc.get("rule_id")) == (verdict, rule), text
         if line is not None:
             assert rc["line"] == line, text
+
+
+def test_ranks_in_different_collectives_at_one_seq_are_a_mismatch(tmp_path):
+    # pytorch/pytorch#20630's shape: ranks 1-2 wait in ALLREDUCE #4084, rank 3 in BROADCAST #4084
+    line = ("[rank{r}]:[E ProcessGroupNCCL.cpp:828] [Rank {r}] Watchdog caught collective operation timeout: "
+            "WorkNCCL(SeqNum=4084, OpType={op}, NumelIn={n}, NumelOut={n}, Timeout(ms)=600000) ran for 600077 "
+            "milliseconds before timing out.\n")
+    log = tmp_path / "m.log"
+    log.write_text(line.format(r=1, op="ALLREDUCE", n=4821568) + line.format(r=2, op="ALLREDUCE", n=4821568)
+                   + line.format(r=3, op="BROADCAST", n=56623104))
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["rank"]) == ("collective_mismatch", "dist.collective_mismatch", 3)
+    log.write_text(line.format(r=1, op="ALLREDUCE", n=4821568) + line.format(r=2, op="ALLREDUCE", n=4821568))
+    assert triage([str(log)]).to_dict()["root_cause"]["category"] == "collective_timeout"
+
+
+def test_a_ctrl_c_while_waiting_is_the_hang_it_stopped(tmp_path):
+    # facebookresearch/detectron2#1286: mp.spawn's join sat in select() until the user pressed Ctrl-C
+    frames = ("Traceback (most recent call last):\n"
+              '  File "tools/train_net.py", line 161, in <module>\n    launch(main, args.num_gpus)\n'
+              '  File "/usr/lib/python3.6/multiprocessing/connection.py", line 911, in wait\n'
+              "    ready = selector.select(timeout)\n"
+              '  File "/usr/lib/python3.6/selectors.py", line 376, in {func}\n'
+              "    fd_event_list = self._poll.poll(timeout)\nKeyboardInterrupt\n")
+    log = tmp_path / "c.log"
+    log.write_text("[01/01 10:00:00 d2.engine.train_loop]: Starting training from iteration 0\n" + frames.format(func="select"))
+    report = triage([str(log)]).to_dict()
+    assert (report["verdict"], report["root_cause"]["rule_id"]) == ("hung", "hang.stopped_while_waiting")
+    log.write_text(frames.format(func="forward"))   # interrupted while computing: a stop, not a hang
+    report = triage([str(log)]).to_dict()
+    assert (report["verdict"], report["root_cause"]["category"]) == ("failed", "external_stop")

@@ -18,12 +18,15 @@ from logtriage.analysis.hangs import (
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid
 from logtriage.analysis.refine import (
     PEER_LEFT_RULES,
+    STOPPED_WHILE_WAITING,
     abort_after_dump_signal,
     checkpoint_io,
+    different_collectives_at_one_seq,
     exit_rule,
     peer_that_left,
     sigkill_on_gpu_job,
     stop_for_memory,
+    stopped_while_waiting,
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
 from logtriage.analysis.stopped import output_stopped, unknown_error_line
@@ -73,6 +76,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = sigkill_on_gpu_job(root, catalog)
     if root is not None:
         root = abort_after_dump_signal(checkpoint_io(root, catalog), findings)
+        root = different_collectives_at_one_seq(root, findings, catalog)
     if root is None:
         root = _unrecognised_exception(scan, keys, catalog)
     if root is None and (failures or "traceback" in scan.block_kinds.values()):
@@ -81,7 +85,11 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = _exit_only_root(failures, catalog)
     if root is None:
         root = _cut_traceback(scan, keys, catalog)
+    if root is not None:
+        root = stopped_while_waiting(root, findings, _interrupted_frames(scan), catalog)
     verdict = Verdict.FAILED if root is not None else Verdict.OK
+    if root is not None and root.rule.id == STOPPED_WHILE_WAITING:
+        verdict = Verdict.HUNG
     notes: list[str] = []
     if root is None or root.rule.category in (Category.EXTERNAL_STOP, Category.UNKNOWN) or root.rule.role is Role.EITHER:
         # processes that never formed the group explain a start-up hang, a job stopped during
@@ -148,6 +156,13 @@ def _rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure],
     return RankFacts(frozenset(known), exit_codes, frozenset(completed), last_step)
 
 
+def _interrupted_frames(scan: ScanResult) -> list[str]:
+    """Innermost functions of tracebacks that were interrupted (KeyboardInterrupt) or cut short."""
+    return [scan.block_last_frames[b] for b, kind in scan.block_kinds.items()
+            if kind == "traceback" and b in scan.block_last_frames
+            and "KeyboardInterrupt" in (scan.block_exceptions.get(b) or "KeyboardInterrupt")]
+
+
 def _exit_only_root(failures: list[ChildFailure], catalog: Catalog) -> RootCause | None:
     own = [f for f in failures if is_own_failure(f.exitcode)]
     if not own:
@@ -194,7 +209,7 @@ def _cut_traceback(scan: ScanResult, keys: list[StreamKey], catalog: Catalog) ->
         rule = catalog.get("python.traceback_cut") or fallback_rule(
             "python.traceback_cut", Category.UNKNOWN, "A traceback without its exception line")
         finding = Finding(rule, {}, source, first, stream, stream.rank_or_none, "Traceback (most recent call last):",
-                          block_id, scan.seq + 1, None)
+                          block_id, scan.seq + 1, None, last_frame=scan.block_last_frames.get(block_id, ""))
         rank = finding.rank
         return RootCause(rule, finding, rank, (rank,) if rank is not None else (), 0.3, (
             f"the traceback at line {first} stops at line {last} before its exception line: "

@@ -57,6 +57,7 @@ class Finding:
     block_exception: str = ""         # the exception line of the traceback this line is in
     collective: str = ""              # the c10d function that traceback was in (all_reduce, barrier)
     checkpoint_frame: str = ""        # that traceback's checkpoint save/load frame (save_checkpoint)
+    last_frame: str = ""              # that traceback's innermost function (where the process was)
 
     @property
     def role(self) -> Role:
@@ -139,7 +140,8 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
         findings.append(Finding(hit.rule, hit.captures, hit.source, hit.line, stream, rank, hit.text,
                                 hit.block_id, hit.seq, stamp, how, scan.block_exceptions.get(hit.block_id, ""),
                                 scan.block_collectives.get(hit.block_id, ""),
-                                scan.block_checkpoint_frames.get(hit.block_id, "")))
+                                scan.block_checkpoint_frames.get(hit.block_id, ""),
+                                scan.block_last_frames.get(hit.block_id, "")))
     findings = _best_per_traceback(findings, scan.block_kinds)
     return attribute_by_signal(findings, failures)
 

@@ -4,6 +4,7 @@ never formed the world (ranks announced twice or never)."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 from logtriage.analysis.findings import Finding
@@ -29,8 +30,12 @@ def waiting(findings: list[Finding], facts: RankFacts) -> RootCause | None:
                   default=0)
     missing = missing_from_barrier(waiting)
     if not world and not arrived:   # a wait that is not a barrier's (a scheduler's, a store's)
-        return RootCause(first.rule, first, None, (), 0.45, (
-            f"{first.rule.title}; nothing failed, and the log ends while it waits",))
+        named = sorted({int(r) for f in waiting for r in re.findall(r"\d+", f.captures.get("missing_ranks", ""))})
+        reasons = [f"{first.rule.title}; nothing failed, and the log ends while it waits"]
+        if named:
+            reasons.append(f"rank(s) {ranges(named, limit=8)} are named as missing: look at what they were doing")
+        return RootCause(first.rule, first, named[0] if len(named) == 1 else None, tuple(named), 0.45,
+                         tuple(reasons))
     reasons = [f"{arrived or len(waiting)} of {world or '?'} ranks reached the barrier and wait; nothing failed"]
     if missing and len(missing) <= 8:
         reasons.append(f"rank(s) {', '.join(map(str, missing))} never arrived: look at what they were doing")

@@ -2,7 +2,7 @@
 connection points at the rank that left; a stop signal with a memory reason is that reason; a bare
 SIGKILL on a GPU job is the OOM killer; a file-system error raised while saving or loading a
 checkpoint is a checkpoint failure; an abort that follows the watchdog's dump signal is the
-collective timeout's teardown."""
+collective timeout's teardown; a Ctrl-C whose process sat in a wait is the hang someone stopped."""
 
 from __future__ import annotations
 
@@ -116,3 +116,74 @@ def abort_after_dump_signal(root: RootCause, findings: list[Finding]) -> RootCau
         f"a collective timed out ({detected} detected it) and ProcessGroupNCCL's watchdog then stopped the "
         f"process ({root.rule.id} is that teardown); the rank that never reached the collective is not in "
         "this log: look for the one whose last step or collective differs",))
+
+
+# The innermost frame of a process that was only waiting: a child, a queue, a socket, a lock.
+WAITING_FRAMES = frozenset({
+    "wait", "_wait", "_try_wait", "waitpid", "poll", "_poll", "select", "join", "communicate",
+    "get", "_get_data", "_try_get_data", "acquire", "_wait_for_tstate_lock", "wait_for", "recv",
+    "recv_bytes", "_recv_bytes", "_recv", "accept", "barrier", "monitored_barrier", "_store_based_barrier"})
+STOPPED_RULES = frozenset({"python.keyboard_interrupt", "python.traceback_cut"})
+STOPPED_WHILE_WAITING = "hang.stopped_while_waiting"
+
+
+def stopped_while_waiting(root: RootCause, findings: list[Finding], interrupted_frames: list[str],
+                          catalog: Catalog) -> RootCause:
+    """A Ctrl-C (or a traceback the paste cut short) whose innermost frame is a wait (a launcher in
+    `subprocess.wait`, `mp.spawn`'s join in `select`, a DataLoader's queue): the process had nothing
+    to do but wait, so what was stopped was a hang, not work. The root may be the launcher's own
+    report of the SIGINT; a worker's traceback (cut, or ending in KeyboardInterrupt:
+    `interrupted_frames`, their innermost functions) then says where it was."""
+    interrupted = root.rule.id in STOPPED_RULES or (
+        root.rule.id == "launcher.signal_exception" and root.finding is not None
+        and root.finding.captures.get("signal") == "2")
+    if not interrupted:
+        return root
+    candidates = ([root.finding] if root.finding is not None else []) + [
+        f for f in findings if f.rule.id in STOPPED_RULES]
+    waiting = next((f for f in candidates if f.last_frame in WAITING_FRAMES), None)
+    frame = waiting.last_frame if waiting is not None else next(
+        (name for name in interrupted_frames if name in WAITING_FRAMES), None)   # a worker's, cut or interrupted
+    if frame is None:
+        return root
+    rule = catalog.get(STOPPED_WHILE_WAITING) or fallback_rule(
+        STOPPED_WHILE_WAITING, Category.HANG, "Stopped while waiting: the run had hung")
+    return replace(root, rule=rule, confidence=min(root.confidence, 0.45), reasons=root.reasons + (
+        f"the innermost frame of the interrupted traceback is `{frame}`: the "
+        "process was waiting (for a child, a queue, a socket or a lock) when it was stopped, so the run had "
+        "stalled before that",))
+
+
+MISMATCH_RULE = "dist.collective_mismatch"
+
+
+def different_collectives_at_one_seq(root: RootCause, findings: list[Finding], catalog: Catalog) -> RootCause:
+    """Ranks timed out at the same sequence number in different collectives (ALLREDUCE on some,
+    BROADCAST on another, or the same op on tensors of different sizes): their code called
+    collectives in different orders, a mismatch, not a slow rank. The rank(s) in the rarer
+    collective took the other path."""
+    if root.rule.category is not Category.COLLECTIVE_TIMEOUT:
+        return root
+    by_seq: dict[str, dict[str, list[Finding]]] = {}
+    for f in findings:
+        if f.category is Category.COLLECTIVE_TIMEOUT and f.captures.get("seq") and f.captures.get("op"):
+            shape = f.captures["op"] + (f"(numel {f.captures['numel_in']})" if f.captures.get("numel_in") else "")
+            by_seq.setdefault(f.captures["seq"], {}).setdefault(shape, []).append(f)
+    split = next((ops for ops in by_seq.values() if _disjoint_ranks(ops)), None)
+    rule = catalog.get(MISMATCH_RULE)
+    if split is None or rule is None:
+        return root
+    odd = min(split.values(), key=len)
+    ranks = tuple(sorted({f.rank for f in odd if f.rank is not None}))
+    first = odd[0]
+    ops = ", ".join(f"{op} on rank(s) {sorted({f.rank for f in fs if f.rank is not None})}" for op, fs in split.items())
+    return RootCause(rule, first, ranks[0] if len(ranks) == 1 else None, ranks, 0.6, (
+        f"at collective #{first.captures['seq']} the ranks waited in different collectives ({ops}): "
+        "their code called collectives in a different order",))
+
+
+def _disjoint_ranks(ops: dict[str, list[Finding]]) -> bool:
+    """Two or more collectives at one sequence number, each waited in by its own ranks (one rank's
+    two lines about the same wait, one with the tensor size and one without, are not a split)."""
+    ranks = [{f.rank for f in fs if f.rank is not None} for fs in ops.values()]
+    return len(ranks) > 1 and all(ranks) and sum(map(len, ranks)) == len(set().union(*ranks))

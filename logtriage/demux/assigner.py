@@ -29,6 +29,8 @@ _CHECKPOINT_FRAME = re.compile(
     r'|(torch/serialization\.py|torch/distributed/checkpoint/)', re.IGNORECASE)
 # a traceback frame with no `Traceback (most recent call last):` above it (a paste cut there)
 _FRAME_START = re.compile(r'^\s{0,4}File "[^"\n]+", line \d+, in \S')
+# any frame line of a traceback: the innermost one says where the process was (waiting, or working)
+_ANY_FRAME = re.compile(r'^\s*File "[^"\n]*", line \d+, in (\S+)')
 _EXCEPTION_START = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): ")
 _ERROR_RECORD = re.compile(r"\b(?:ERROR|CRITICAL|FATAL|Exception|exception)\b")
 _LAUNCHER_FRAME = re.compile(
@@ -80,6 +82,7 @@ class Assigner:
         self.exceptions: dict[int, str] = {}                    # traceback block id -> exception line
         self.collectives: dict[int, str] = {}                   # traceback block id -> c10d function
         self.checkpoint_frames: dict[int, str] = {}             # traceback block id -> checkpoint frame
+        self.last_frames: dict[int, str] = {}                   # traceback block id -> innermost function
         self.exception_lines: dict[int, int] = {}               # traceback block id -> its exception line
 
     # -- public -------------------------------------------------------------------------------
@@ -207,10 +210,14 @@ class Assigner:
             m = _COLLECTIVE_FRAME.search(text)
             if m:
                 block.state["collective"] = m.group(1)
-        if block.kind is B.BlockKind.TRACEBACK and ", in " in text and "checkpoint" not in block.state:
-            m = _CHECKPOINT_FRAME.search(text)
-            if m:
-                block.state["checkpoint"] = m.group(1) or m.group(2)
+        if block.kind is B.BlockKind.TRACEBACK and ", in " in text:
+            frame = _ANY_FRAME.match(text)
+            if frame:
+                block.state["last_frame"] = frame.group(1)
+            if "checkpoint" not in block.state:
+                m = _CHECKPOINT_FRAME.search(text)
+                if m:
+                    block.state["checkpoint"] = m.group(1) or m.group(2)
         if block.kind is B.BlockKind.TRACEBACK and block.bare and _LAUNCHER_FRAME.search(text):
             block.state["launcher"] = True
         if block.kind is B.BlockKind.CHILD_FAILED:
@@ -227,6 +234,8 @@ class Assigner:
             self.collectives[block.block_id] = block.state["collective"]
         if block.state.get("checkpoint"):
             self.checkpoint_frames[block.block_id] = block.state["checkpoint"]
+        if block.state.get("last_frame"):
+            self.last_frames[block.block_id] = block.state["last_frame"]
         if block.state.get("exception_line"):
             self.exception_lines[block.block_id] = block.state["exception_line"]
         becomes_cfe = L.is_cfe_start(exception)
