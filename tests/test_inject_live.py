@@ -71,4 +71,8 @@ def test_live_scenario(workspace, tmp_path: Path, scenario_name: str, variant_na
         assert root["exception_type"].rsplit(".", 1)[-1] == \
             expect.exception_type.rsplit(".", 1)[-1]
     found = {f["rule_id"] for f in report["findings"]}
-    assert set(expect.required_findings) <= found
+    missing = set(expect.required_findings) - found
+    # a peer's own cascade line ("Connection closed by peer") races the agent's SIGTERM: on a
+    # loaded machine the peer can be stopped before it prints it; the stop must then be there
+    assert not missing or (missing <= {"gloo.connection_closed", "gloo.connection_reset"}
+                           and found & {"launcher.sigterm_sent", "signal.sigterm"}), missing

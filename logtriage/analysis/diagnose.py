@@ -33,7 +33,9 @@ from logtriage.analysis.stopped import output_stopped, unknown_error_line
 from logtriage.analysis.roots import ChainLink, ChainRole, RankFacts, RootCause, Verdict
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role
+from logtriage.demux.prefixes import Dialect, strip_prefixes
 from logtriage.demux.streams import StreamKey, StreamKind
+from logtriage.ingest.lines import read_lines
 from logtriage.scan import ScanResult, SlotStats
 
 
@@ -208,7 +210,10 @@ def _cut_traceback(scan: ScanResult, keys: list[StreamKey], catalog: Catalog) ->
             continue
         rule = catalog.get("python.traceback_cut") or fallback_rule(
             "python.traceback_cut", Category.UNKNOWN, "A traceback without its exception line")
-        finding = Finding(rule, {}, source, first, stream, stream.rank_or_none, "Traceback (most recent call last):",
+        # the block's first line: `Traceback (most recent call last):`, or a frame when the paste cut that
+        head = read_lines(scan.sources[source], scan.indexes[source], [first]).get(first, "")
+        text = strip_prefixes(head, Dialect()).text.strip() or "Traceback (most recent call last):"
+        finding = Finding(rule, {}, source, first, stream, stream.rank_or_none, text,
                           block_id, scan.seq + 1, None, last_frame=scan.block_last_frames.get(block_id, ""))
         rank = finding.rank
         return RootCause(rule, finding, rank, (rank,) if rank is not None else (), 0.3, (
