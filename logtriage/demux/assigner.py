@@ -27,10 +27,9 @@ _COLLECTIVE_FRAME = re.compile(r'distributed_c10d\.py", line \d+, in (\w+)')
 _CHECKPOINT_FRAME = re.compile(
     r', in (\w*(?:checkpoint|ckpt)\w*|(?:save|load)_(?:model|state_dict|pretrained|weights)\w*)\s*$'
     r'|(torch/serialization\.py|torch/distributed/checkpoint/)', re.IGNORECASE)
-# a traceback frame with no `Traceback (most recent call last):` above it (a paste cut there)
-_FRAME_START = re.compile(r'^\s{0,4}File "[^"\n]+", line \d+, in \S')
-# any frame line of a traceback: the innermost one says where the process was (waiting, or working)
-_ANY_FRAME = re.compile(r'^\s*File "[^"\n]*", line \d+, in (\S+)')
+# a traceback's frame line: the innermost one says where the process was (waiting, or working);
+# one with at most 4 spaces before it and no `Traceback (...)` above starts a cut traceback
+_FRAME = re.compile(r'^(\s*)File "[^"\n]+", line \d+, in (\S+)')
 _EXCEPTION_START = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): ")
 _ERROR_RECORD = re.compile(r"\b(?:ERROR|CRITICAL|FATAL|Exception|exception)\b")
 _LAUNCHER_FRAME = re.compile(
@@ -179,7 +178,8 @@ class Assigner:
         kind = _block_start(text)
         if kind is not None:
             return self._open(kind, slot, text, bare)
-        if text.lstrip()[:6] == 'File "' and _FRAME_START.match(text):
+        frame = _FRAME.match(text) if text.lstrip()[:6] == 'File "' else None
+        if frame and len(frame.group(1)) <= 4:
             part = self._open(B.BlockKind.TRACEBACK, slot, text, bare)
             if not text[0].isspace():
                 self.block.state["bare"] = "frame"   # its code line follows at column 0 too
@@ -211,9 +211,9 @@ class Assigner:
             if m:
                 block.state["collective"] = m.group(1)
         if block.kind is B.BlockKind.TRACEBACK and ", in " in text:
-            frame = _ANY_FRAME.match(text)
+            frame = _FRAME.match(text)
             if frame:
-                block.state["last_frame"] = frame.group(1)
+                block.state["last_frame"] = frame.group(2)
             if "checkpoint" not in block.state:
                 m = _CHECKPOINT_FRAME.search(text)
                 if m:
