@@ -29,11 +29,10 @@ from logtriage.analysis.refine import (
     stopped_while_waiting,
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
-from logtriage.analysis.stopped import output_stopped, unknown_error_line
+from logtriage.analysis.stopped import log_tail, message_of, output_stopped, unknown_error_line
 from logtriage.analysis.roots import ChainLink, ChainRole, RankFacts, RootCause, Verdict
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role
-from logtriage.demux.prefixes import Dialect, strip_prefixes
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.ingest.lines import read_lines
 from logtriage.scan import ScanResult, SlotStats
@@ -109,10 +108,11 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         if root is not None:
             verdict = Verdict.HUNG
     if root is None:   # the log's end: an error no rule knows fails the run, else the output just stops
-        root = unknown_error_line(scan, keys, findings, facts, catalog)
+        tail = log_tail(scan, findings, facts)
+        root = unknown_error_line(scan, keys, tail, catalog)
         verdict = Verdict.FAILED if root is not None else Verdict.OK
         if root is None:
-            root = output_stopped(scan, keys, findings, facts, catalog)
+            root = output_stopped(scan, keys, tail, facts, catalog)
             verdict = Verdict.HUNG if root is not None else Verdict.OK
     if scan.unreadable:
         notes.append("the input ended early (damaged or truncated): errors after that point are not in this report")
@@ -212,7 +212,7 @@ def _cut_traceback(scan: ScanResult, keys: list[StreamKey], catalog: Catalog) ->
             "python.traceback_cut", Category.UNKNOWN, "A traceback without its exception line")
         # the block's first line: `Traceback (most recent call last):`, or a frame when the paste cut that
         head = read_lines(scan.sources[source], scan.indexes[source], [first]).get(first, "")
-        text = strip_prefixes(head, Dialect()).text.strip() or "Traceback (most recent call last):"
+        text = message_of(head) or "Traceback (most recent call last):"
         finding = Finding(rule, {}, source, first, stream, stream.rank_or_none, text,
                           block_id, scan.seq + 1, None, last_frame=scan.block_last_frames.get(block_id, ""))
         rank = finding.rank

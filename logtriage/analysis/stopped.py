@@ -19,6 +19,7 @@ from logtriage.ingest.lines import read_lines
 from logtriage.scan import STEP, ScanResult
 
 FINISHED_RULE = "context.run_finished"
+TailLine = tuple[int, int, str]      # (source, line number, text as read back)
 TAIL_LINES = 40
 MAX_SOURCES = 64     # a folder of per-rank files: the tails of its last files
 
@@ -40,10 +41,10 @@ _NOT_ERROR = re.compile(r"\bINFO\b|\b(?:no|without|0) errors?\b|Warning\b|\bWARN
 _PREFIX_ONLY = re.compile(r"^\s*(?:(?:\[[^\]]{0,40}\]|<std(?:out|err)>|\d{1,7}:):? ?)*$")
 
 
-def output_stopped(scan: ScanResult, keys: list[StreamKey], findings: list[Finding], facts: RankFacts,
+def output_stopped(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine], facts: RankFacts,
                    catalog: Catalog) -> RootCause | None:
-    """The hang the log's end implies when nothing failed and nothing says the run finished."""
-    tail = _tail(scan, findings, facts)
+    """The hang the log's end (`tail`, from log_tail) implies when nothing failed and nothing says
+    the run finished."""
     last = next((line for line in reversed(tail) if _JOB_OUTPUT.search(line[2])), None)
     if last is None:
         return None
@@ -63,12 +64,11 @@ def output_stopped(scan: ScanResult, keys: list[StreamKey], findings: list[Findi
                      tuple(reasons))
 
 
-def unknown_error_line(scan: ScanResult, keys: list[StreamKey], findings: list[Finding], facts: RankFacts,
+def unknown_error_line(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine],
                        catalog: Catalog) -> RootCause | None:
-    """The first line of the log's end that says error in plain words when no rule matched
+    """The first line of the log's end (`tail`) that says error in plain words when no rule matched
     anything: the run failed of an error the catalog does not know."""
     line = None
-    tail = _tail(scan, findings, facts)
     for source in sorted({s for s, _, _ in tail}):
         own = [t for t in tail if t[0] == source]
         progress = max((i for i, t in enumerate(own) if STEP.search(t[2])), default=-1)
@@ -86,20 +86,24 @@ def unknown_error_line(scan: ScanResult, keys: list[StreamKey], findings: list[F
         "on or finished: read it as the failure",))
 
 
-def _finding(scan: ScanResult, keys: list[StreamKey], rule, line: tuple[int, int, str]) -> Finding:
+def _finding(scan: ScanResult, keys: list[StreamKey], rule, line: TailLine) -> Finding:
     source, number, text = line
     stream = keys[scan.slots.final(scan.indexes[source].slots[number - 1])]
-    message = strip_prefixes(text, Dialect()).text.strip()   # the report's text: prefixes stripped
-    return Finding(rule, {}, source, number, stream, stream.rank_or_none, message, -1, scan.seq + 1, None)
+    return Finding(rule, {}, source, number, stream, stream.rank_or_none, message_of(text), -1, scan.seq + 1, None)
 
 
-def _tail(scan: ScanResult, findings: list[Finding], facts: RankFacts) -> list[tuple[int, int, str]]:
+def message_of(text: str) -> str:
+    """A line read back from the input, as a finding's text: launcher prefixes stripped."""
+    return strip_prefixes(text, Dialect()).text.strip()
+
+
+def log_tail(scan: ScanResult, findings: list[Finding], facts: RankFacts) -> list[TailLine]:
     """The last lines of each input (of a folder: its last MAX_SOURCES files), (source, line,
     text) with text in them, or none when the input broke off or the log says the run finished."""
     if scan.unreadable or facts.completed or any(f.rule.id == FINISHED_RULE or _SHUTDOWN.search(f.text)
                                                   for f in findings):
         return []
-    tail: list[tuple[int, int, str]] = []
+    tail: list[TailLine] = []
     for source in range(max(0, len(scan.sources) - MAX_SOURCES), len(scan.sources)):
         total = len(scan.indexes[source].offsets)
         numbers = list(range(max(1, total - TAIL_LINES + 1), total + 1))
