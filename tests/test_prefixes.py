@@ -28,6 +28,9 @@ PLAIN = Dialect()
      None, None, "Error while creating shared memory segment /dev/shm/nccl-UmqSM9 (size 7340384)"),
     ("(RayTrainWorker pid=4121, ip=10.0.0.5) [rank1]: KeyError: 'labels'", 1, None, "KeyError: 'labels'"),
     ("(pid=77) step 3", None, None, "step 3"),
+    # a wrapper's stream tag glued to the message (pytorch/pytorch#77737)
+    ("[stderr]ModuleNotFoundError: No module named 'tensorboard'", None, None,
+     "ModuleNotFoundError: No module named 'tensorboard'"),
     # SkyPilot's per-node prefix (skypilot-org/skypilot#5181): the rank there numbers nodes
     ("(worker1, rank=1, pid=914, ip=10.1.145.81) bash: torchrun: command not found", None, None,
      "bash: torchrun: command not found"),

@@ -9,6 +9,7 @@
     pdsh / DeepSpeed    `worker-3: `              (host; only for hosts the log uses widely)
     Ray log monitor     `(RayTrainWorker pid=1234, ip=10.0.0.5) `   (a Ray worker process; no rank)
                         and SkyPilot's `(worker1, rank=1, pid=914, ip=10.1.145.81) ` (a node's rank)
+    stream tag          `[stderr]` `[stdout]` (a wrapper's, glued to the message; no rank)
     torchrun --tee      `[default0]:` `[trainer1]:` `[gpu187:2]:`   (local rank)
     prefix template     `[default|rank=1|local=1] ` or any leading `[...]` with a rank field
     excepthook          `[rank1]: `               (global rank)
@@ -30,6 +31,7 @@ _COLLECTOR_STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:
 _MPI = re.compile(r"^\[(\d{1,9}),(\d{1,12})\]<(?:stdout|stderr|stddiag)>: ?")
 _HOST = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62}): ")
 _RAY = re.compile(r"^\((?:[A-Za-z_][\w.-]{0,60} |[\w.-]{1,60}, rank=(\d{1,9}), )?pid=\d{1,9}(?:, ip=[0-9A-Fa-f.:]{3,45})?\) ")
+_STREAM_TAG = re.compile(r"^\[std(?:out|err)\] ?")
 _TEE = re.compile(r"^\[([A-Za-z_][A-Za-z_-]*?)(\d{1,7})\]:")
 _TEE_HOST = re.compile(r"^\[([A-Za-z0-9][A-Za-z0-9_.-]*):(\d{1,7})\]:")
 _EXCEPTHOOK = re.compile(r"^\[rank(\d{1,12})\]:(?: |(?=\[)|$)")
@@ -164,6 +166,10 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
         if m.group(1) is not None:
             host = f"node{int(m.group(1))}"   # SkyPilot numbers nodes; the processes' ranks come after
         layers.append("ray")
+    m = _STREAM_TAG.match(text)
+    if m:
+        text = text[m.end():]
+        layers.append("tag")
     m = _TEE_HOST.match(text)
     if m:
         host, local, text = m.group(1), int(m.group(2)), text[m.end():]

@@ -451,6 +451,15 @@ def _has_rank(buf, a, b):
 
 
 @njit(cache=True, nogil=True)
+def _is_stream_tag(buf, c, end):
+    """`[stdout]` or `[stderr]` at c."""
+    if end - c < 8 or buf[c + 1] != 115 or buf[c + 2] != 116 or buf[c + 3] != 100 or buf[c + 7] != 93:
+        return False   # not "[std...]"
+    return (buf[c + 4] == 111 and buf[c + 5] == 117 and buf[c + 6] == 116) or \
+        (buf[c + 4] == 101 and buf[c + 5] == 114 and buf[c + 6] == 114)
+
+
+@njit(cache=True, nogil=True)
 def _has_pid(buf, a, b):
     for k in range(a, b - 3):
         if buf[k] == 112 and buf[k + 1] == 105 and buf[k + 2] == 100 and buf[k + 3] == 61:   # "pid="
@@ -569,6 +578,8 @@ def classify(buf, rank_hint, srun, starts, messages, ranks, flags, cuts, ranks2)
                 flag = NOT_PLAIN  # `File "...` at column 0: a traceback frame, maybe one without its header
             elif first == 40 and _has_pid(buf, c, min(end, c + 80)):
                 flag = NOT_PLAIN  # a Ray worker's `(Name pid=N, ip=...) ` prefix
+            elif first == 91 and _is_stream_tag(buf, c, end):
+                flag = NOT_PLAIN  # a wrapper's `[stdout]`/`[stderr]` tag: the exact path strips it
             elif first == 91:
                 is_cpp = c + 2 < end and (buf[c + 1] == 73 or buf[c + 1] == 87 or buf[c + 1] == 69
                                           or buf[c + 1] == 70) and _is_digit(buf[c + 2])
