@@ -160,13 +160,13 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
         if m and m.group(1) in dialect.hosts:
             host, text = m.group(1), text[m.end():]
             layers.append("host")
-    m = _RAY.match(text)
+    m = _RAY.match(text) if text[:1] == "(" else None
     if m:
         text = text[m.end():]
         if m.group(1) is not None:
             host = f"node{int(m.group(1))}"   # SkyPilot numbers nodes; the processes' ranks come after
         layers.append("ray")
-    m = _STREAM_TAG.match(text)
+    m = _STREAM_TAG.match(text) if text[:4] == "[std" else None
     if m:
         text = text[m.end():]
         layers.append("tag")
