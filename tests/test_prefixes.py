@@ -92,6 +92,17 @@ def test_log_collector_timestamps_only_when_the_log_uses_them():
     assert strip_prefixes(once, PLAIN).text == once
 
 
+def test_a_collector_stamp_closed_by_a_colon_is_stripped_before_the_mpi_tag():
+    # sample_logs/public23/deit76_*: a job service's console, `<ISO time>: [1,0]<stderr>:...`
+    lines = ["2021-03-10T13:22:37.443Z: [1,0]<stderr>:    raise self.exc_type(msg)",
+             "2021-03-10T13:22:37.443Z: [1,0]<stderr>:OSError: Caught OSError in DataLoader worker process 3.",
+             "2021-03-10T13:22:37.443Z: [1,0]<stderr>:Original Traceback (most recent call last):"]
+    dialect = Dialect.detect(lines)
+    second = strip_prefixes(lines[1], dialect)
+    assert dialect.stamped
+    assert (second.text, second.rank) == ("OSError: Caught OSError in DataLoader worker process 3.", 0)
+
+
 def test_a_paste_indented_as_a_code_block_is_read_without_its_indent():
     # sample_logs/public16/dgl7426_*: every line of the paste starts with four spaces
     sample = ["    Traceback (most recent call last):",

@@ -180,3 +180,31 @@ def test_a_ctrl_c_while_waiting_is_the_hang_it_stopped(tmp_path):
     log.write_text(frames.format(func="forward"))   # interrupted while computing: a stop, not a hang
     report = triage([str(log)]).to_dict()
     assert (report["verdict"], report["root_cause"]["category"]) == ("failed", "external_stop")
+
+
+def test_a_sighup_the_launcher_forwards_is_an_outside_stop(tmp_path):
+    # sample_logs/public23/firefly47_*: torchrun forwards the signal it received; SIGTERM is its own teardown
+    line = "WARNING:torch.distributed.elastic.multiprocessing.api:Sending process {pid} closing signal {sig}\n"
+    log = tmp_path / "hup.log"
+    log.write_text(line.format(pid=53738, sig="SIGHUP") + line.format(pid=53740, sig="SIGHUP"))
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["line"]) == ("external_stop", "launcher.signal_exception", 1)
+    log.write_text(line.format(pid=53738, sig="SIGTERM") + line.format(pid=53740, sig="SIGTERM"))
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert rc is None or rc["category"] != "external_stop"
+
+
+def test_a_store_timeout_after_training_started_is_a_peer_late_to_a_collective(tmp_path):
+    # rwth-i6/returnn#1621 (sample_logs/public24/returnn1621_*): rank 0 alone ran dev evaluation; the
+    # others' store wait (TORCH_DISTRIBUTED_DEBUG=DETAIL's fingerprint check) timed out
+    error = ("RuntimeError: Socket Timeout\n"
+             "Exception raised from doWait at ../torch/csrc/distributed/c10d/TCPStore.cpp:445 (most recent call first):\n")
+    log = tmp_path / "store.log"
+    log.write_text("[rank0]: ep 1 dev eval, step 99, ce 0.286\n[rank1]: " + error.replace("\nE", "\n[rank1]: E")
+                   + "[rank2]: " + error.replace("\nE", "\n[rank2]: E"))
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["rank"], rc["line"]) == (
+        "collective_timeout", "dist.store_wait_in_collective", 0, 2)
+    log.write_text("[rank1]: " + error.replace("\nE", "\n[rank1]: E"))   # at start-up: the rendezvous failed
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert rc["category"] == "rendezvous"

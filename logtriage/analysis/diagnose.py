@@ -21,11 +21,13 @@ from logtriage.analysis.refine import (
     STOPPED_WHILE_WAITING,
     abort_after_dump_signal,
     checkpoint_io,
+    hangup_forwarded,
     different_collectives_at_one_seq,
     exit_rule,
     peer_that_left,
     sigkill_on_gpu_job,
     stop_for_memory,
+    store_wait_after_progress,
     stopped_while_waiting,
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
@@ -78,6 +80,9 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is not None:
         root = abort_after_dump_signal(checkpoint_io(root, catalog), findings)
         root = different_collectives_at_one_seq(root, findings, catalog)
+        root = store_wait_after_progress(root, findings, facts, _first_progress(stream_stats), catalog)
+    if root is None:
+        root = hangup_forwarded(findings, catalog)
     if root is None:
         root = _unrecognised_exception(scan, keys, catalog)
     if root is None and (failures or "traceback" in scan.block_kinds.values()):
@@ -156,6 +161,12 @@ def _rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure],
         if key.kind is StreamKind.RANK and s.last_step is not None:
             last_step[key.rank] = s.last_step
     return RankFacts(frozenset(known), exit_codes, frozenset(completed), last_step)
+
+
+def _first_progress(stats: dict[StreamKey, SlotStats]) -> tuple[int, int] | None:
+    """Where the earliest stream's last progress line is: before it, the run had started training."""
+    lines = [s.last_step_line for s in stats.values() if s.last_step_line]
+    return min(lines) if lines else None
 
 
 def _interrupted_frames(scan: ScanResult) -> list[str]:

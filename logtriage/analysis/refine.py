@@ -1,7 +1,8 @@
 """Second readings of a chosen root: the same evidence read in its context. A peer's closed
 connection points at the rank that left; a stop signal with a memory reason is that reason; a bare
 SIGKILL on a GPU job is the OOM killer; a file-system error raised while saving or loading a
-checkpoint is a checkpoint failure; an abort that follows the watchdog's dump signal is the
+checkpoint is a checkpoint failure; a SIGHUP the launcher forwards is its own; a store timeout after training started is a peer late to a
+collective; an abort that follows the watchdog's dump signal is the
 collective timeout's teardown; a Ctrl-C whose process sat in a wait is the hang someone stopped."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import replace
 from logtriage.analysis.findings import Finding, short_type
 from logtriage.analysis.hangs import fallback_rule
 from logtriage.analysis.roots import RankFacts, RootCause
+from logtriage.analysis.timeouts import missing_rank_root
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role, Rule
 from logtriage.demux.streams import StreamKind
@@ -90,6 +92,47 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
     rule = catalog.get(rule_id) or fallback_rule(rule_id, Category.CHECKPOINT, "A checkpoint's file operation failed")
     return replace(root, rule=rule, reasons=root.reasons + (
         f"the {kind} was raised inside `{f.checkpoint_frame}`: saving or loading a checkpoint failed",))
+
+
+SIGNAL_EXCEPTION_RULE = "launcher.signal_exception"
+TEARDOWN_RULE = "launcher.sigterm_sent"
+
+
+def hangup_forwarded(findings: list[Finding], catalog: Catalog) -> RootCause | None:
+    """torchrun tears its workers down with SIGTERM after a failure; it forwards any other signal
+    only when it received that signal itself. "Sending process N closing signal SIGHUP" with no
+    error before it is the launcher's terminal going away (an SSH session closed, a `nohup`-less
+    job): an outside stop, even when the launcher's own SignalException was cut from the paste."""
+    sent = next((f for f in findings if f.rule.id == TEARDOWN_RULE and f.captures.get("signal") == "SIGHUP"), None)
+    rule = catalog.get(SIGNAL_EXCEPTION_RULE)
+    if sent is None or rule is None:
+        return None
+    return RootCause(rule, sent, None, (), 0.5, (
+        "the launcher sent its workers SIGHUP, which it forwards only when it received SIGHUP itself: its "
+        "terminal or SSH session went away, and no worker had failed before",))
+
+
+STORE_TIMEOUT_RULES = frozenset({"dist.store_wait_timeout", "dist.store_connect_timeout"})
+STORE_WAIT_IN_COLLECTIVE = "dist.store_wait_in_collective"
+
+
+def store_wait_after_progress(root: RootCause, findings: list[Finding], facts: RankFacts,
+                              first_progress: tuple[int, int] | None, catalog: Catalog) -> RootCause:
+    """A store timeout after the run printed training progress: the group formed long before, so
+    the wait was for a peer in a barrier or collective (busy with rank-0-only work, or gone), a
+    collective timeout whose culprit is the rank missing from the waits."""
+    f = root.finding
+    if f is None or root.rule.id not in STORE_TIMEOUT_RULES or first_progress is None or first_progress > (f.source, f.line):
+        return root
+    rule = catalog.get(STORE_WAIT_IN_COLLECTIVE)
+    if rule is None:
+        return root
+    waits = [w for w in findings if w.rule.id in STORE_TIMEOUT_RULES]
+    live = [w for w in findings if w.is_error and not w.is_teardown]
+    missing = missing_rank_root(waits, live, facts)
+    return replace(missing, rule=rule, reasons=(
+        "the store timed out after the run had printed training progress: the process group had formed, so "
+        "this was a wait for a peer in a barrier or collective, not a start-up failure",) + missing.reasons)
 
 
 DUMP_SIGNAL_RULE = "nccl.flight_recorder"

@@ -1,7 +1,8 @@
 """Launcher prefixes, outermost first, each stripped once:
 
     paste indentation   every line indented alike (a log pasted as a Markdown code block)
-    collector stamp     `2023-05-26T16:48:07.093268664Z `   (docker logs -t, kubectl logs --timestamps;
+    collector stamp     `2023-05-26T16:48:07.093268664Z ` or `...Z: `  (docker logs -t, kubectl logs
+                                                   --timestamps, job-service consoles;
                                                    only when the log uses it widely)
     srun --label        `3: `                     (the task: a rank, or a node when each task runs torchrun;
                                                    only when the log uses it widely)
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 _SRUN = re.compile(r"^ {0,6}(\d{1,7}): ")
-_COLLECTOR_STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:Z|[+-]\d\d:?\d\d) ")
+_COLLECTOR_STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:Z|[+-]\d\d:?\d\d):? ")
 _MPI = re.compile(r"^\[(\d{1,9}),(\d{1,12})\]<(?:stdout|stderr|stddiag)>: ?")
 _HOST = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62}): ")
 _RAY = re.compile(r"^\((?:[A-Za-z_][\w.-]{0,60} |[\w.-]{1,60}, rank=(\d{1,9}), )?pid=\d{1,9}(?:, ip=[0-9A-Fa-f.:]{3,45})?\) ")
