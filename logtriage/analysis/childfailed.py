@@ -69,10 +69,11 @@ def parse_child_failures(launcher_lines: list[tuple[int, int, str]]) -> list[Chi
             _flush(current, entries)
             current = {"index": int(m.group(1)), "root": in_root, "source": source, "line": number}
             continue
-        if current is None:
-            continue
         m = _FIELD.match(text)
-        if not m:
+        if m and current is None and m.group(1) == "time":
+            # an entry whose `[i]:` header the paste cut off: its fields still name the worker
+            current = {"index": len(entries), "root": in_root or not entries, "source": source, "line": number}
+        if current is None or not m:
             continue
         name, value = m.group(1), m.group(2).rstrip()
         if name == "rank":

@@ -9,6 +9,8 @@ only consequences left, collective timeouts point at the rank that is missing fr
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from logtriage.analysis.childfailed import is_own_failure
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.roots import ChainLink, ChainRole, RankFacts, RootCause, earliest
@@ -81,8 +83,26 @@ def _explained(finding: Finding, live: list[Finding]) -> bool:
                for other in live)
 
 
+GENERIC_EXCEPTION_RULE = "python.exception"
+MESSAGE_LINES = 4   # how far below an exception line its message's own lines may reach
+
+
+def _specific_in_block(first: Finding, candidates: list[Finding]) -> Finding:
+    """An exception matched only by its type, whose multi-line message goes on to lines a
+    specific rule knows (fairseq's FloatingPointError followed by its per-rank `rank 3 = nan`
+    table, a few lines below it and outside any other block): the specific reading of the same exception is the root."""
+    if first.rule.id != GENERIC_EXCEPTION_RULE:
+        return first
+    specific = next((f for f in candidates if f.source == first.source and 0 < f.line - first.line <= MESSAGE_LINES
+                     and f.rule.id != GENERIC_EXCEPTION_RULE and f.block_id in (first.block_id, -1)), None)
+    if specific is None:
+        return first
+    # the message's lines belong to the exception's process and carry its type
+    return replace(specific, block_exception=first.text, rank=first.rank if specific.rank is None else specific.rank)
+
+
 def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts, confidence: float) -> RootCause:
-    first = earliest(candidates)
+    first = _specific_in_block(earliest(candidates), candidates)
     group = [f for f in candidates if f.signature == first.signature]
     ranks = _ranks(group)
     reasons = []
