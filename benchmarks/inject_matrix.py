@@ -23,9 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from logtriage.inject import registry  # noqa: E402
-from logtriage.inject.model import Scenario, Variant  # noqa: E402
+from logtriage.inject.model import Launcher, Scenario, Variant  # noqa: E402
 from logtriage.inject.noise import RANK_EXCEPTION_NOISE  # noqa: E402
-from logtriage.inject.runner import execute, find_program  # noqa: E402
+from logtriage.inject.runner import NODES, execute, find_program  # noqa: E402
 from logtriage.inject.sidecars import write_sidecars  # noqa: E402
 from logtriage.inject.workspace import DEFAULT_ROOT, WorkspaceLock, prepare  # noqa: E402
 
@@ -54,11 +54,14 @@ def _draw(rng: random.Random, faults: list[Scenario], noise: list[Variant | None
     while True:
         scenario = rng.choice(faults)
         base = rng.choice(scenario.variants)
+        extra = rng.choice(noise)
         nproc = rng.choice(sizes)
+        if extra is not None and extra.launcher in (Launcher.SRUN_NODES, Launcher.PDSH_NODES) and nproc % NODES:
+            nproc += NODES - nproc % NODES   # the same number of ranks on every node
         fault_rank = rng.randrange(nproc)
         if fault_rank == 0 and "--local-ranks-filter" in base.launcher_args:
             continue
-        return scenario, base, rng.choice(noise), nproc, fault_rank
+        return scenario, base, extra, nproc, fault_rank
 
 
 def main() -> int:

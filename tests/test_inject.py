@@ -132,6 +132,23 @@ def test_commands_per_launcher():
     assert "--fault-rank" not in standalone
 
 
+def test_srun_and_pdsh_launches_start_one_process_per_task_or_node():
+    from logtriage.inject.fanout import srun_label
+    ws = _workspace()
+    exception = registry.get_scenario("rank_exception")
+    tasks = registry.make_plan(exception, exception.variant("srun_label_tasks")).tasks(ws, 29999)
+    assert [t.label for t in tasks] == [b"0: ", b"1: ", b"2: ", b"3: "]
+    assert dict(tasks[2].env)["SLURM_PROCID"] == "2" and dict(tasks[2].env)["SLURM_NTASKS"] == "4"
+    assert ws.display(" ".join(tasks[2].argv)) == "python scenarios/rank_exception.py --fault-rank 2"
+    nodes = registry.make_plan(exception, exception.variant("pdsh_nodes_tee3")).tasks(ws, 29999)
+    assert [t.label for t in nodes] == [b"worker-0: ", b"worker-1: "]
+    assert ws.display(" ".join(nodes[1].argv)) == (
+        "torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29999 "
+        "--tee 3 scenarios/rank_exception.py --fault-rank 2")
+    assert srun_label(3, 16) == b" 3: " and srun_label(12, 16) == b"12: "   # Slurm's `%*d: `
+    assert registry.make_plan(exception, exception.variant("tee3")).tasks(ws, 1) is None
+
+
 def test_skip_reasons_for_gpu_and_missing_modules():
     oom = registry.get_scenario("cuda_oom")
     np2 = registry.make_plan(oom, oom.variant("np2"))

@@ -31,6 +31,8 @@ REPRESENTATIVE = [
     ("ckpt_load", "weights_only_np2"),
     ("port_in_use", "static_master_port"),
     ("healthy", "np2"),
+    ("rank_exception", "pdsh_nodes_tee3"),     # two torchrun agents, lines labelled per host
+    ("rank_exception", "srun_label_tasks"),    # one process per rank, Slurm's variables
 ]
 
 

@@ -208,3 +208,46 @@ def test_a_store_timeout_after_training_started_is_a_peer_late_to_a_collective(t
     log.write_text("[rank1]: " + error.replace("\nE", "\n[rank1]: E"))   # at start-up: the rendezvous failed
     rc = triage([str(log)]).to_dict()["root_cause"]
     assert rc["category"] == "rendezvous"
+
+
+def test_an_exception_read_by_the_frame_that_raised_it(tmp_path):
+    # mmcv's init_dist divides by torch.cuda.device_count() (sample_logs/public23/mmdet368_*);
+    # a spawn child's EOFError in multiprocessing's _main is its parent's pickling failure
+    log = tmp_path / "frame.log"
+    log.write_text(
+        "Traceback (most recent call last):\n"
+        '  File "/usr/local/lib/python3.10/dist-packages/mmcv/runner/dist_utils.py", line 31, in _init_dist_pytorch\n'
+        "    torch.cuda.set_device(rank % num_gpus)\n"
+        "ZeroDivisionError: integer division or modulo by zero\n")
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["line"]) == ("environment", "cuda.no_device", 4)
+    spawn = ("Traceback (most recent call last):\n"
+             '  File "<string>", line 1, in <module>\n'
+             '  File "/usr/lib/python3.10/multiprocessing/spawn.py", line 116, in spawn_main\n'
+             "    exitcode = _main(fd, parent_sentinel)\n"
+             '  File "/usr/lib/python3.10/multiprocessing/spawn.py", line 126, in {func}\n'
+             "    self = reduction.pickle.load(from_parent)\n"
+             "EOFError: Ran out of input\n")
+    log.write_text(spawn.format(func="_main"))
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["exception_type"]) == ("python_exception", "python.exception", "EOFError")
+    log.write_text(spawn.format(func="load_checkpoint"))   # torch.load of an empty file: a checkpoint
+    assert triage([str(log)]).to_dict()["root_cause"]["rule_id"] == "ckpt.corrupt_archive"
+
+
+def test_a_hosts_local_ranks_map_to_the_global_ranks_its_lines_name(tmp_path):
+    # sample_logs/cpu_matrix/nan_injection__loss_nan_np2-pdsh_nodes_tee3_np6_r4_m200200: pdsh labels
+    # the host, --tee the local rank; rank 4 (worker-1's local rank 1) went NaN first
+    lines = ["worker-0: [default0]:[rank 0] step 3 loss 0.2150 grad_norm nan",
+             "worker-1: [default0]:[rank 3] step 3 loss 0.2462 grad_norm nan",
+             "worker-1: [default1]:[rank 4] step 3 loss nan grad_norm nan",
+             "worker-0: [default1]:[rank 1] step 3 loss 0.3101 grad_norm nan",
+             "worker-0: [default1]:[rank 1] step 4 loss nan grad_norm nan",
+             "worker-1: [default2]:[rank 5] step 4 loss nan grad_norm nan",
+             "worker-0: [default2]:[rank 2] step 4 loss nan grad_norm nan"]
+    log = tmp_path / "pdsh.log"
+    log.write_text("\n".join(lines * 2) + "\n")
+    report = triage([str(log)]).to_dict()
+    rc = report["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["rank"], rc["line"]) == ("numerical", "numerical.loss_nan", 4, 3)
+    assert {(r["rank"], r["host"]) for r in report["ranks"]} >= {(1, "worker-0"), (4, "worker-1")}

@@ -24,6 +24,7 @@ from logtriage.analysis.refine import (
     hangup_forwarded,
     different_collectives_at_one_seq,
     exit_rule,
+    frame_reading,
     peer_that_left,
     sigkill_on_gpu_job,
     stop_for_memory,
@@ -65,7 +66,7 @@ class Diagnosis:
 
 
 def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
-    keys = scan.slots.resolve(scan.facts.pid_to_rank(), scan.facts.attempt_of_segment)
+    keys = scan.slots.resolve(scan.facts.pid_to_rank(), scan.facts.attempt_of_segment, scan.facts.host_rank)
     failures = parse_child_failures(scan.launcher_lines)
     findings = attribute_by_nccl_pid(resolve_findings(scan, keys, failures))
     stream_stats = _merge_stats(scan, keys)
@@ -78,7 +79,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
         root = sigkill_on_gpu_job(root, catalog)
     if root is not None:
-        root = abort_after_dump_signal(checkpoint_io(root, catalog), findings)
+        root = abort_after_dump_signal(checkpoint_io(frame_reading(root, catalog), catalog), findings)
         root = different_collectives_at_one_seq(root, findings, catalog)
         root = store_wait_after_progress(root, findings, facts, _first_progress(stream_stats), catalog)
     if root is None:

@@ -94,6 +94,35 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
         f"the {kind} was raised inside `{f.checkpoint_frame}`: saving or loading a checkpoint failed",))
 
 
+# OpenMMLab's init_dist (mmcv, mmdet, mmseg ...) sets `torch.cuda.set_device(rank % num_gpus)`
+# with num_gpus = torch.cuda.device_count(): zero visible GPUs divide by zero there.
+GPU_COUNT_FRAMES = frozenset({"_init_dist_pytorch", "_init_dist_slurm", "_init_dist_mpi", "init_dist"})
+# multiprocessing's spawn child unpickles what its parent sent; an empty pipe means the parent failed
+SPAWN_CHILD_FRAME = "_main"
+
+
+def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
+    """An exception whose meaning is in the frame that raised it: a ZeroDivisionError in
+    OpenMMLab's init_dist is "no GPU visible"; an `EOFError: Ran out of input` in a spawn child's
+    `_main` is the parent failing to send the process's state (a pickling error), not a truncated
+    checkpoint."""
+    f = root.finding
+    if f is None:
+        return root
+    kind = short_type(f.exception_type)
+    if kind == "ZeroDivisionError" and root.rule.id in GENERIC_RULES and f.last_frame in GPU_COUNT_FRAMES:
+        rule, why = catalog.get("cuda.no_device"), (
+            f"the division by zero is in `{f.last_frame}`, which takes the rank modulo torch.cuda.device_count(): "
+            "the process saw no GPU")
+    elif kind == "EOFError" and root.rule.id == "ckpt.corrupt_archive" and f.last_frame == SPAWN_CHILD_FRAME:
+        rule, why = catalog.get("python.exception"), (
+            "the EOFError is raised in multiprocessing's spawn `_main`, where a child unpickles what its parent "
+            "sent: the parent failed to pickle the process's arguments (a lambda, a local class, an open file)")
+    else:
+        return root
+    return root if rule is None else replace(root, rule=rule, reasons=root.reasons + (why,))
+
+
 SIGNAL_EXCEPTION_RULE = "launcher.signal_exception"
 TEARDOWN_RULE = "launcher.sigterm_sent"
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from logtriage.demux import blocks as B
 from logtriage.demux import launcher as L
-from logtriage.demux.prefixes import Dialect, strip_prefixes
+from logtriage.demux.prefixes import Dialect, line_prefix_end, strip_prefixes
 from logtriage.demux.split import split_glued
 from logtriage.demux.streams import SlotTable, StreamKind
 
@@ -86,7 +86,10 @@ class Assigner:
 
     # -- public -------------------------------------------------------------------------------
     def feed(self, line: str) -> list[Part]:
-        pieces = split_glued(line)
+        head = line_prefix_end(line, self.dialect)
+        pieces = split_glued(line[head:]) if head else split_glued(line)
+        if head:
+            pieces = [line[:head] + piece for piece in pieces]
         parts = [self._assign(pieces[0])]
         for piece in pieces[1:]:
             parts.append(self._assign(piece))
@@ -101,6 +104,8 @@ class Assigner:
         p = strip_prefixes(line, self.dialect)
         text = p.text
         self._settle_pending_rule(text)
+        if p.host:
+            self._note_host_rank(p)
         rank = p.rank if p.rank is not None else p.local_rank
         if rank is None and self.rank_hint is not None:
             rank = self.rank_hint
@@ -295,6 +300,17 @@ class Assigner:
         self.error_record_slot = None
 
     # -- helpers ------------------------------------------------------------------------------
+    def _note_host_rank(self, p) -> None:
+        """Which global rank a host's local rank is (pdsh + --tee prints only the local one)."""
+        if p.local_rank is not None:
+            rank = p.rank if p.rank is not None else find_rank_marker(p.text)
+            if rank is not None:
+                self.facts.host_rank.setdefault((p.host, p.local_rank), rank)
+            return
+        m = L.CFE_RANK.match(p.text)
+        if m:
+            self.facts.host_rank.setdefault((p.host, int(m.group(2))), int(m.group(1)))
+
     def _rank_slot(self, rank: int, host: str) -> int:
         if self.attempt_hint is not None:
             return self.slots.rank_attempt(rank, host, self.attempt_hint)

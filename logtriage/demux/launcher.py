@@ -62,6 +62,10 @@ class LauncherFacts:
     teardown_pids: set[int] = field(default_factory=set)
     failed_lines: int = 0          # `failed (exitcode ...)` lines: one per failed attempt
     restart_marked: bool = False
+    # (host, local rank) -> global rank, on multi-node logs whose lines carry a host and a local
+    # rank (pdsh + `--tee`): from a `[default1]:[rank4]:` line, a rank marker in the worker's text,
+    # or the host's ChildFailedError entry `rank: 4 (local_rank: 1)`
+    host_rank: dict[tuple[str, int], int] = field(default_factory=dict)
     _pending_cfe_rank: int | None = None
 
     @property

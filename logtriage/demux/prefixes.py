@@ -120,6 +120,19 @@ def _host_like(token: str) -> bool:
     return any(c.isdigit() or c in "-." for c in token) or token.islower()
 
 
+def line_prefix_end(line: str, dialect: Dialect) -> int:
+    """Where the prefixes that a launcher puts on every physical line (paste indent, collector
+    stamp, srun label, Open MPI tag, pdsh host) end: two ranks' output glued on one line under a
+    host's prefix are both that host's, so each piece keeps it."""
+    end = dialect.indent if dialect.indent and line[:dialect.indent].isspace() else 0
+    for pattern, used in ((_COLLECTOR_STAMP, dialect.stamped), (_SRUN, dialect.srun), (_MPI, True),
+                          (_HOST, bool(dialect.hosts))):
+        m = pattern.match(line[end:]) if used else None
+        if m and (pattern is not _HOST or m.group(1) in dialect.hosts):
+            end += m.end()
+    return end
+
+
 @dataclass(frozen=True, slots=True)
 class Prefixes:
     text: str                   # the message after every recognised prefix

@@ -90,8 +90,11 @@ class SlotTable:
             seen += 1
         return slot
 
-    def resolve(self, pid_rank: dict[int, int], attempt_of_segment) -> list[StreamKey]:
-        """StreamKey for every slot. `attempt_of_segment(segment) -> attempt`."""
+    def resolve(self, pid_rank: dict[int, int], attempt_of_segment,
+                host_rank: dict[tuple[str, int], int] | None = None) -> list[StreamKey]:
+        """StreamKey for every slot. `attempt_of_segment(segment) -> attempt`; `host_rank` turns a
+        host's local rank into its global rank."""
+        host_rank = host_rank or {}
         out: list[StreamKey] = []
         for index in range(len(self.keys)):
             key = self.keys[self.final(index)]
@@ -99,7 +102,8 @@ class SlotTable:
             if kind is SlotKind.FIXED:
                 out.append(StreamKey(key[1]))
             elif kind is SlotKind.RANK:
-                out.append(StreamKey(StreamKind.RANK, key[1], attempt_of_segment(key[3]), key[2]))
+                rank = host_rank.get((key[2], key[1]), key[1]) if key[2] else key[1]
+                out.append(StreamKey(StreamKind.RANK, rank, attempt_of_segment(key[3]), key[2]))
             elif kind is SlotKind.RANK_ATTEMPT:
                 out.append(StreamKey(StreamKind.RANK, key[1], key[3], key[2]))
             elif kind is SlotKind.PID and key[1] in pid_rank:

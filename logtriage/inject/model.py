@@ -28,6 +28,11 @@ class Launcher(str, Enum):
     LAUNCH_MODULE = "python -m torch.distributed.launch"
     MP_SPAWN = "mp.spawn"
     MPIRUN = "mpirun --tag-output"   # Open MPI; each process maps OMPI_COMM_WORLD_* to RANK/WORLD_SIZE
+    # labelled by the runner as these launchers label lines (fanout.py): two torchrun agents
+    # (nodes) on this host, or one process per rank with Slurm's task variables
+    SRUN_TASKS = "srun --label (a task per rank)"
+    SRUN_NODES = "srun --label torchrun (a task per node)"
+    PDSH_NODES = "pdsh torchrun (a host per node)"
 
 
 class RankRef(str, Enum):

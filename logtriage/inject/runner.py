@@ -22,6 +22,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Iterator
 
+from logtriage.inject.fanout import Task, pdsh_label, run_tasks, srun_label
 from logtriage.inject.model import Backend, Launcher, ResolvedExpectation, Scenario, Variant
 from logtriage.inject.workspace import Workspace
 
@@ -37,6 +38,9 @@ class RunStatus(str, Enum):
     CAPTURED = "captured"      # ran to the end; the log is written
     TIMED_OUT = "timed_out"    # the safety timeout killed it; the partial log is written
     SKIPPED = "skipped"        # not runnable here (no CUDA, missing module); nothing written
+
+
+NODES = 2   # the node count of the srun/pdsh multi-node launches (nproc must be a multiple)
 
 
 @dataclass(frozen=True)
@@ -60,14 +64,37 @@ class RunPlan:
     def env(self) -> dict[str, str]:
         return dict(self.variant.env)
 
-    def command(self, workspace: Workspace, port: int) -> list[str]:
-        variant = self.variant
+    def script(self) -> list[str]:
         script = ["scenarios/" + self.scenario.script]
         if self.scenario.fault_on_rank:
             script += ["--fault-rank", str(self.fault_rank)]
         if self.backend is not Backend.GLOO:
             script += ["--backend", self.backend.value]
-        script += [*self.scenario.script_args, *variant.script_args]
+        return [*script, *self.scenario.script_args, *self.variant.script_args]
+
+    def tasks(self, workspace: Workspace, port: int) -> list[Task] | None:
+        """The processes an srun/pdsh launch starts, with their line labels (None: one command)."""
+        launcher = self.variant.launcher
+        if launcher is Launcher.SRUN_TASKS:
+            return [Task((str(workspace.python), *self.script()), (
+                ("SLURM_PROCID", str(i)), ("SLURM_NTASKS", str(self.nproc)), ("SLURM_LOCALID", str(i)),
+                ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))), srun_label(i, self.nproc))
+                for i in range(self.nproc)]
+        if launcher not in (Launcher.SRUN_NODES, Launcher.PDSH_NODES):
+            return None
+        per_node = self.nproc // NODES
+        return [Task((str(workspace.python), str(workspace.torchrun), "--nnodes", str(NODES), "--node-rank", str(node),
+                      "--nproc-per-node", str(per_node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                      *self.variant.launcher_args, *self.script()), (),
+                     srun_label(node, NODES) if launcher is Launcher.SRUN_NODES else pdsh_label(f"worker-{node}"))
+                for node in range(NODES)]
+
+    def command(self, workspace: Workspace, port: int) -> list[str]:
+        variant = self.variant
+        script = self.script()
+        tasks = self.tasks(workspace, port)
+        if tasks is not None:
+            return list(tasks[-1].argv)   # the last node's or task's; the others differ in their rank only
         if variant.launcher is Launcher.MP_SPAWN:
             return [str(workspace.python), *script, "--spawn", str(self.nproc)]
         if variant.launcher is Launcher.MPIRUN:
@@ -101,9 +128,12 @@ class RunResult:
 
     @property
     def as_expected(self) -> bool:
-        """Captured, with the declared launcher exit code and the fault's key message."""
-        return (self.status is RunStatus.CAPTURED and self.exit_code == self.plan.exit_code
-                and self.evidence_found)
+        """Captured, with the declared launcher exit code (any failure, for processes started
+        without a launcher) and the fault's key message."""
+        code_ok = self.exit_code == self.plan.exit_code or (
+            # without a launcher the failing process's own code is the job's (3, -6, -11, ...)
+            self.plan.variant.launcher is Launcher.SRUN_TASKS and self.exit_code != 0 and self.plan.exit_code != 0)
+        return self.status is RunStatus.CAPTURED and code_ok and self.evidence_found
 
 
 def find_program(name: str) -> str | None:
@@ -162,28 +192,21 @@ def execute(plan: RunPlan, workspace: Workspace, out_dir: Path) -> RunResult:
     env = _run_env(plan, port)
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / f"{plan.name}.log"
-    timed_out = False
+    tasks = plan.tasks(workspace, port)
     with _occupied(port, plan.variant.occupy_master_port), open(log_path, "wb") as log:
-        started = time.monotonic()
-        proc = subprocess.Popen(argv, cwd=workspace.root, env=env, stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=plan.timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc)
-            code = proc.wait()
-        duration = time.monotonic() - started
-        # Workers that outlive the launcher (they should not) are in the same session.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if tasks is not None:
+            started = time.monotonic()
+            code, timed_out = run_tasks(tasks, workspace.root, env, log, plan.timeout_s)
+            duration = time.monotonic() - started
+        else:
+            code, timed_out, duration = _run_one(argv, workspace, env, log, plan.timeout_s)
     data = log_path.read_bytes()
     tree = _keep_log_dir(workspace, out_dir / plan.name) if plan.variant.log_dir else None
     env_text = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env().items())
     shown = [os.path.basename(argv[0]) if plan.variant.launcher is Launcher.MPIRUN else argv[0], *argv[1:]]
     command = workspace.display(" ".join(shlex.quote(a) for a in shown))
+    if tasks is not None:
+        command = f"[{len(tasks)} processes, lines labelled as {plan.variant.launcher.value}] {command}"
     return RunResult(
         plan=plan,
         status=RunStatus.TIMED_OUT if timed_out else RunStatus.CAPTURED,
@@ -193,6 +216,26 @@ def execute(plan: RunPlan, workspace: Workspace, out_dir: Path) -> RunResult:
         evidence_found=plan.evidence.encode() in data if plan.evidence else True,
         reason=f"safety timeout {plan.timeout_s:.0f} s" if timed_out else "",
     )
+
+
+def _run_one(argv: list[str], workspace: Workspace, env: dict[str, str], log, timeout_s: float) -> tuple[int, bool, float]:
+    started = time.monotonic()
+    timed_out = False
+    proc = subprocess.Popen(argv, cwd=workspace.root, env=env, stdin=subprocess.DEVNULL,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(proc)
+        code = proc.wait()
+    duration = time.monotonic() - started
+    # Workers that outlive the launcher (they should not) are in the same session.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return code, timed_out, duration
 
 
 def _keep_log_dir(workspace: Workspace, destination: Path) -> Path | None:

@@ -209,6 +209,10 @@ def launch(main: Callable[[argparse.Namespace], None], args: argparse.Namespace)
         os.environ.update(RANK=os.environ["OMPI_COMM_WORLD_RANK"],
                           WORLD_SIZE=os.environ["OMPI_COMM_WORLD_SIZE"],
                           LOCAL_RANK=os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        # started by `srun python ...`: one task per rank, coordinates from Slurm's variables
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                          LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
     if args.spawn:
         import torch.multiprocessing as mp
 
