@@ -11,7 +11,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from logtriage.demux.assigner import Assigner
+from logtriage.demux.assigner import Assigner, pieces_of
 from logtriage.demux.clean import clean, decode
 from logtriage.demux.launcher import LauncherFacts
 from logtriage.demux.prefixes import Dialect, strip_prefixes
@@ -74,11 +74,13 @@ def test_assigner_gives_every_piece_one_slot(data, rank_hint, attempt_hint):
         slots.fixed(kind)
     facts = LauncherFacts()
     lines = [clean(decode(raw)) for raw in physical_lines(data)]
-    assigner = Assigner(slots, facts, Dialect.detect(lines), rank_hint, attempt_hint)
+    dialect = Dialect.detect(lines)
+    assigner = Assigner(slots, facts, dialect, rank_hint, attempt_hint)
     for line in lines:
         parts = assigner.feed(line)
-        assert len(parts) == len(split_glued(line))
-        for piece, part in zip(split_glued(line), parts):
+        pieces = pieces_of(line, dialect)
+        assert len(parts) == len(pieces)
+        for piece, part in zip(pieces, parts):
             assert piece.endswith(part.text)
             assert 0 <= part.slot < len(slots.keys)
     assigner.close()

@@ -128,3 +128,15 @@ def test_a_short_paste_with_a_node_name_on_every_line_reads_it_as_a_host():
     assert (p.host, p.text) == ("node01", "torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 896.00 MiB")
     # plain words before a colon (a config dump) are not node names
     assert Dialect.detect(["model: llama", "lr: 0.1", "epochs: 3"]).hosts == frozenset()
+
+
+def test_launcher_labels_stay_on_every_glued_piece():
+    # pdsh labels a host's every line: both ranks' output glued on it are that host's
+    # (sample_logs/cpu_matrix/*pdsh_nodes_tee3*); an MPI tag before a torch prefix is one piece
+    from logtriage.demux.assigner import pieces_of
+    line = "worker-1: [default1]:[rank 4] step 3 loss nan[default0]:[rank 3] step 3 loss 0.2"
+    dialect = Dialect.detect([line] * 6)
+    assert pieces_of(line, dialect) == ["worker-1: [default1]:[rank 4] step 3 loss nan",
+                                        "worker-1: [default0]:[rank 3] step 3 loss 0.2"]
+    assert pieces_of("[1,0]<stdout>:[rank0]: Traceback (most recent call last):", PLAIN) == [
+        "[1,0]<stdout>:[rank0]: Traceback (most recent call last):"]

@@ -251,3 +251,35 @@ def test_a_hosts_local_ranks_map_to_the_global_ranks_its_lines_name(tmp_path):
     rc = report["root_cause"]
     assert (rc["category"], rc["rule_id"], rc["rank"], rc["line"]) == ("numerical", "numerical.loss_nan", 4, 3)
     assert {(r["rank"], r["host"]) for r in report["ranks"]} >= {(1, "worker-0"), (4, "worker-1")}
+
+
+def test_a_workers_error_file_in_the_launchers_summary_is_its_failure(tmp_path):
+    # pytorch/pytorch#73465 (sample_logs/public27/pytorch73465_*): only the summary was pasted;
+    # @record put rank 304's traceback in the entry's `traceback :` field
+    log = tmp_path / "cfe.log"
+    log.write_text(
+        "Root Cause (first observed failure):\n[0]:\n"
+        "  time      : 2022-02-26_22:02:07\n  host      : host-a\n  rank      : 304 (local_rank: 0)\n"
+        "  exitcode  : 1 (pid: 181845)\n  error_file: /tmp/torchelastic_x/attempt_0/0/error.json\n"
+        "  traceback : Traceback (most recent call last):\n"
+        '    File "pretrain_gpt.py", line 241, in main\n      die\n'
+        "  NameError: name 'die' is not defined\n  \n" + "=" * 60 + "\n")
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["rank"], rc["line"], rc["exception_type"]) == (
+        "python_exception", "python.exception", 304, 11, "NameError")
+
+
+def test_a_key_missing_in_a_checkpoint_loader_and_a_loggers_ranked_traceback(tmp_path):
+    # intelligent-machine-learning/dlrover#977 and facebookresearch/ParlAI#4452 (public27 samples)
+    log = tmp_path / "ckpt.log"
+    log.write_text("Traceback (most recent call last):\n"
+                   '  File "/workspace/Megatron-LM/megatron/checkpointing.py", line 526, in load_checkpoint\n'
+                   "    iteration = state_dict['iteration']\nKeyError: 'iteration'\n")
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["category"], rc["rule_id"]) == ("checkpoint", "ckpt.format_mismatch")
+    log.write_text("rank:  3 | 2022-04-03 18:44:26,615 CRITICAL | Traceback (most recent call last):\n"
+                   '  File "parlai/core/torch_agent.py", line 2314, in backward\n    loss.backward()\n'
+                   "RuntimeError: CUDA out of memory. Tried to allocate 21.06 GiB (GPU 3; 79.35 GiB total capacity; "
+                   "63.19 GiB already allocated; 8.57 GiB free; 68.48 GiB reserved in total by PyTorch)\n")
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["category"], rc["rank"], rc["line"]) == ("gpu_oom", 3, 4)

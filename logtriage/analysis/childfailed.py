@@ -15,6 +15,7 @@ from logtriage.demux.launcher import CFE_EXIT, CFE_RANK, MPI_NOTICE, MPI_NOTICE_
 # log cannot make an integer too big for the JSON report or too long to convert).
 _ENTRY = re.compile(r"^\[(\d{1,12})\]:\s*$")
 _FIELD = re.compile(r"^\s{1,4}(time|host|rank|exitcode|error_file|traceback)\s*: ?(.*)$")
+_EXCEPTION = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)(?::|$)")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class ChildFailure:
     is_root_cause: bool
     source: int
     line: int            # the entry's `exitcode` line (or its `[i]:` line)
+    exception: str = ""  # the worker's exception, from the error file the `traceback :` field shows
+    exception_line: int | None = None
 
 
 def parse_child_failures(launcher_lines: list[tuple[int, int, str]]) -> list[ChildFailure]:
@@ -69,6 +72,14 @@ def parse_child_failures(launcher_lines: list[tuple[int, int, str]]) -> list[Chi
             _flush(current, entries)
             current = {"index": int(m.group(1)), "root": in_root, "source": source, "line": number}
             continue
+        if current is not None and "traceback" in current:
+            # the error file's traceback, indented under the field; its last exception line is the worker's
+            if text.startswith("  ") and not _FIELD.match(text):
+                if _EXCEPTION.match(text.strip()):
+                    current["exception"], current["exception_line"] = text.strip(), number
+                continue
+            _flush(current, entries)
+            current = None
         m = _FIELD.match(text)
         if m and current is None and m.group(1) == "time":
             # an entry whose `[i]:` header the paste cut off: its fields still name the worker
@@ -90,8 +101,9 @@ def parse_child_failures(launcher_lines: list[tuple[int, int, str]]) -> list[Chi
             current["time"] = parse_cfe_time(value)
         elif name == "traceback":
             current["traceback"] = value
-            _flush(current, entries)
-            current = None
+            if not value.startswith("Traceback"):
+                _flush(current, entries)
+                current = None
     _flush(current, entries)
     return entries
 
@@ -103,7 +115,8 @@ def _flush(current: dict | None, entries: list[ChildFailure]) -> None:
         index=current["index"], rank=current.get("rank"), local_rank=current.get("local_rank"),
         exitcode=current.get("exitcode"), pid=current.get("pid"), signal=current.get("signal"),
         time=current.get("time"), traceback=current.get("traceback", ""), is_root_cause=current["root"],
-        source=current["source"], line=current["line"]))
+        source=current["source"], line=current["line"], exception=current.get("exception", ""),
+        exception_line=current.get("exception_line")))
 
 
 SIGNALS = {1: "SIGHUP", 2: "SIGINT", 3: "SIGQUIT", 4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE",

@@ -23,6 +23,7 @@ from logtriage.analysis.refine import (
     checkpoint_io,
     hangup_forwarded,
     different_collectives_at_one_seq,
+    error_file_exception,
     exit_rule,
     frame_reading,
     peer_that_left,
@@ -90,6 +91,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = warning_root(findings)
     if root is None and failures:
         root = _exit_only_root(failures, catalog)
+    if root is not None and failures:
+        root = error_file_exception(root, failures, catalog)
     if root is None:
         root = _cut_traceback(scan, keys, catalog)
     if root is not None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from logtriage.analysis.childfailed import ChildFailure
 from logtriage.analysis.findings import Finding, short_type
 from logtriage.analysis.hangs import fallback_rule
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.timeouts import missing_rank_root
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role, Rule
-from logtriage.demux.streams import StreamKind
+from logtriage.demux.streams import StreamKey, StreamKind
 
 # What a rank says when its peer's socket went away: the peer left first.
 PEER_LEFT_RULES = frozenset({"gloo.connection_closed", "gloo.connection_reset"})
@@ -85,10 +86,14 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
     if f is None or root.rule.id not in GENERIC_RULES or not f.checkpoint_frame:
         return root
     kind = short_type(f.exception_type)
-    if kind not in FILE_SYSTEM_ERRORS:
-        return root
     loading = "load" in f.checkpoint_frame.lower()
-    rule_id = "ckpt.not_found" if kind == "FileNotFoundError" and loading else "ckpt.io_error"
+    if kind == "KeyError" and loading:
+        # the loader looked up a key the file does not have (`iteration`, `state`): another format
+        rule_id = "ckpt.format_mismatch"
+    elif kind in FILE_SYSTEM_ERRORS:
+        rule_id = "ckpt.not_found" if kind == "FileNotFoundError" and loading else "ckpt.io_error"
+    else:
+        return root
     rule = catalog.get(rule_id) or fallback_rule(rule_id, Category.CHECKPOINT, "A checkpoint's file operation failed")
     return replace(root, rule=rule, reasons=root.reasons + (
         f"the {kind} was raised inside `{f.checkpoint_frame}`: saving or loading a checkpoint failed",))
@@ -121,6 +126,26 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
     else:
         return root
     return root if rule is None else replace(root, rule=rule, reasons=root.reasons + (why,))
+
+
+def error_file_exception(root: RootCause, failures: list[ChildFailure], catalog: Catalog) -> RootCause:
+    """A worker that exited with a code and printed nothing the log holds, whose ChildFailedError
+    entry shows its error file's traceback (`@record`): that exception is the worker's failure."""
+    if root.rule.id != "signal.exit_nonzero":
+        return root
+    failure = next((f for f in failures if f.exception and f.exception_line is not None
+                    and (root.rank is None or f.rank == root.rank)), None)
+    rule = catalog.get("python.exception")
+    if failure is None or rule is None:
+        return root
+    kind = failure.exception.split(":", 1)[0].strip()
+    finding = Finding(rule, {"exception_type": kind}, failure.source, failure.exception_line,
+                      StreamKey(StreamKind.LAUNCHER), failure.rank, failure.exception, -1, 0, None, "launcher",
+                      failure.exception)
+    ranks = (failure.rank,) if failure.rank is not None else ()
+    return RootCause(rule, finding, failure.rank, ranks, 0.6, (
+        f"rank {failure.rank} exited with code {failure.exitcode}; the launcher's summary shows its error file: "
+        f"{kind}",))
 
 
 SIGNAL_EXCEPTION_RULE = "launcher.signal_exception"

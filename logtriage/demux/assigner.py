@@ -40,6 +40,15 @@ _LAUNCHER_EXCEPTIONS = re.compile(r"(?:ChildFailedError|SignalException|Rendezvo
                                   r"ProcessExitedException)\b")
 
 
+def pieces_of(line: str, dialect: Dialect) -> list[str]:
+    """A physical line cut where a second rank's output was glued onto it; the labels a launcher
+    puts on every line (srun, Open MPI, pdsh) stay on each piece, whose output they label."""
+    head = line_prefix_end(line, dialect)
+    if not head:
+        return split_glued(line)
+    return [line[:head] + piece for piece in split_glued(line[head:])]
+
+
 def find_rank_marker(text: str) -> int | None:
     head = text[:120]
     for pattern in _RANK_MARKERS:
@@ -86,10 +95,7 @@ class Assigner:
 
     # -- public -------------------------------------------------------------------------------
     def feed(self, line: str) -> list[Part]:
-        head = line_prefix_end(line, self.dialect)
-        pieces = split_glued(line[head:]) if head else split_glued(line)
-        if head:
-            pieces = [line[:head] + piece for piece in pieces]
+        pieces = pieces_of(line, self.dialect)
         parts = [self._assign(pieces[0])]
         for piece in pieces[1:]:
             parts.append(self._assign(piece))
@@ -146,6 +152,10 @@ class Assigner:
             return self._open(B.BlockKind.CHILD_FAILED, launcher, text, bare=False)
         if L.CFE_FIELD.match(text):
             self.facts.observe(text)
+            if L.CFE_TRACEBACK.match(text):   # the error file's traceback follows, indented
+                part = self._open(B.BlockKind.CHILD_FAILED, launcher, text, bare=False)
+                self.block.state["field_traceback"] = True
+                return part
             return self._part(launcher, text)
         if L.is_launch_future_warning(text):
             return self._open(B.BlockKind.WARNING, launcher, text, bare=False)
@@ -174,6 +184,9 @@ class Assigner:
         if B.TRACEBACK_START.match(text):
             return self._open(B.BlockKind.TRACEBACK, slots.new_block(), text, bare=True)
         slot = self._rank_slot(marker, "") if marker is not None else slots.fixed(StreamKind.UNATTRIBUTED)
+        if marker is not None and text.endswith("Traceback (most recent call last):"):
+            # a logger's record that opens the traceback (`rank:  3 | ... CRITICAL | Traceback ...`)
+            return self._open(B.BlockKind.TRACEBACK, slot, text, bare=False)
         part = self._open_or_plain(slot, text, bare=False)
         if marker is not None and part.block_id >= 0 and _ERROR_RECORD.search(text):
             self.error_record_slot = slot   # a plain line had it set in _open_or_plain already

@@ -126,9 +126,14 @@ def _continues_traceback(text: str, state: dict) -> bool:
 
 
 def _continues_child_failed(text: str, state: dict) -> bool:
-    """Everything up to the closing `=====` border after the Root Cause section."""
+    """Everything up to the closing `=====` border after the Root Cause section; for a summary
+    whose header the paste cut off, the error file's traceback indented under its field."""
     if state.get("closed"):
         return False
+    if state.get("field_traceback"):
+        frame_or_code = text.startswith("   ")          # `    File ...`, `      code`
+        exception = text.startswith("  ") and ":" in text and EXCEPTION_LINE.match(text.strip()) is not None
+        return frame_or_code or exception
     if BANNER_RULE.match(text):
         if state.get("root"):
             state["closed"] = True

@@ -44,6 +44,7 @@ RESTART = re.compile(r"restart_count=(\d+)|will restart worker group|Worker grou
 # Lines of a ChildFailedError summary, recognisable even when a paste starts in its middle.
 CFE_FIELD = re.compile(r"^(?:\[\d+\]:\s*$|  (?:time|host|rank|exitcode|error_file|traceback)\s*: |"
                        r"Root Cause \(first observed failure\):|Failures:\s*$|\s*<NO_OTHER_FAILURES>)")
+CFE_TRACEBACK = re.compile(r"^  traceback\s*: Traceback \(most recent call last\):")   # an error file's
 CFE_START = re.compile(r"ChildFailedError: *$")   # search only lines holding "ChildFailedError"
 
 
