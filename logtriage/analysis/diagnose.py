@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from logtriage.analysis.childfailed import ChildFailure, is_killed, is_own_failure, parse_child_failures
 from logtriage.analysis.environment import Environment, collect_environment
+from logtriage.analysis.exceptions import checkpoint_io, error_file_exception, frame_reading
 from logtriage.analysis.findings import Finding, resolve_findings
 from logtriage.analysis.hangs import (
     fallback_rule,
@@ -20,17 +21,14 @@ from logtriage.analysis.refine import (
     PEER_LEFT_RULES,
     STOPPED_WHILE_WAITING,
     abort_after_dump_signal,
-    checkpoint_io,
-    hangup_forwarded,
     different_collectives_at_one_seq,
-    error_file_exception,
     exit_rule,
-    frame_reading,
+    hangup_forwarded,
     peer_that_left,
     sigkill_on_gpu_job,
     stop_for_memory,
-    store_wait_after_progress,
     stopped_while_waiting,
+    store_wait_after_progress,
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
 from logtriage.analysis.stopped import log_tail, message_of, output_stopped, unknown_error_line

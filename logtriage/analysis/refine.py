@@ -1,22 +1,21 @@
-"""Second readings of a chosen root: the same evidence read in its context. A peer's closed
-connection points at the rank that left; a stop signal with a memory reason is that reason; a bare
-SIGKILL on a GPU job is the OOM killer; a file-system error raised while saving or loading a
-checkpoint is a checkpoint failure; a SIGHUP the launcher forwards is its own; a store timeout after training started is a peer late to a
-collective; an abort that follows the watchdog's dump signal is the
-collective timeout's teardown; a Ctrl-C whose process sat in a wait is the hang someone stopped."""
+"""Second readings of a chosen root: the same evidence read in its context, across ranks and the
+launcher. A peer's closed connection points at the rank that left; a stop signal with a memory
+reason is that reason; a bare SIGKILL on a GPU job is the OOM killer; a SIGHUP the launcher
+forwards is its own; a store timeout after training started is a peer late to a collective; an
+abort that follows the watchdog's dump signal is the collective timeout's teardown; a Ctrl-C whose
+process sat in a wait is the hang someone stopped. Readings of one exception are in exceptions.py."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from logtriage.analysis.childfailed import ChildFailure
-from logtriage.analysis.findings import Finding, short_type
+from logtriage.analysis.findings import Finding
 from logtriage.analysis.hangs import fallback_rule
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.timeouts import missing_rank_root
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role, Rule
-from logtriage.demux.streams import StreamKey, StreamKind
+from logtriage.demux.streams import StreamKind
 
 # What a rank says when its peer's socket went away: the peer left first.
 PEER_LEFT_RULES = frozenset({"gloo.connection_closed", "gloo.connection_reset"})
@@ -71,81 +70,6 @@ def sigkill_on_gpu_job(root: RootCause, catalog: Catalog) -> RootCause:
               "always the kernel's OOM killer (host memory). `dmesg -T | grep -i oom` on the node confirms "
               "it; if it shows nothing, look for a scheduler limit or a manual kill")
     return replace(root, rule=rule, reasons=root.reasons + (reason,), confidence=min(root.confidence, 0.6))
-
-
-# Exceptions of the file system: raised inside a checkpoint's save or load they are that
-# checkpoint's failure (a path, a race on a symlink, a permission, a full disk), not a bug in Python.
-FILE_SYSTEM_ERRORS = frozenset({
-    "OSError", "IOError", "FileExistsError", "FileNotFoundError", "PermissionError", "IsADirectoryError",
-    "NotADirectoryError", "BlockingIOError", "EOFError"})
-GENERIC_RULES = frozenset({"python.exception", "python.file_not_found", "host.filesystem_error"})
-
-
-def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
-    f = root.finding
-    if f is None or root.rule.id not in GENERIC_RULES or not f.checkpoint_frame:
-        return root
-    kind = short_type(f.exception_type)
-    loading = "load" in f.checkpoint_frame.lower()
-    if kind == "KeyError" and loading:
-        # the loader looked up a key the file does not have (`iteration`, `state`): another format
-        rule_id = "ckpt.format_mismatch"
-    elif kind in FILE_SYSTEM_ERRORS:
-        rule_id = "ckpt.not_found" if kind == "FileNotFoundError" and loading else "ckpt.io_error"
-    else:
-        return root
-    rule = catalog.get(rule_id) or fallback_rule(rule_id, Category.CHECKPOINT, "A checkpoint's file operation failed")
-    return replace(root, rule=rule, reasons=root.reasons + (
-        f"the {kind} was raised inside `{f.checkpoint_frame}`: saving or loading a checkpoint failed",))
-
-
-# OpenMMLab's init_dist (mmcv, mmdet, mmseg ...) sets `torch.cuda.set_device(rank % num_gpus)`
-# with num_gpus = torch.cuda.device_count(): zero visible GPUs divide by zero there.
-GPU_COUNT_FRAMES = frozenset({"_init_dist_pytorch", "_init_dist_slurm", "_init_dist_mpi", "init_dist"})
-# multiprocessing's spawn child unpickles what its parent sent; an empty pipe means the parent failed
-SPAWN_CHILD_FRAME = "_main"
-
-
-def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
-    """An exception whose meaning is in the frame that raised it: a ZeroDivisionError in
-    OpenMMLab's init_dist is "no GPU visible"; an `EOFError: Ran out of input` in a spawn child's
-    `_main` is the parent failing to send the process's state (a pickling error), not a truncated
-    checkpoint."""
-    f = root.finding
-    if f is None:
-        return root
-    kind = short_type(f.exception_type)
-    if kind == "ZeroDivisionError" and root.rule.id in GENERIC_RULES and f.last_frame in GPU_COUNT_FRAMES:
-        rule, why = catalog.get("cuda.no_device"), (
-            f"the division by zero is in `{f.last_frame}`, which takes the rank modulo torch.cuda.device_count(): "
-            "the process saw no GPU")
-    elif kind == "EOFError" and root.rule.id == "ckpt.corrupt_archive" and f.last_frame == SPAWN_CHILD_FRAME:
-        rule, why = catalog.get("python.exception"), (
-            "the EOFError is raised in multiprocessing's spawn `_main`, where a child unpickles what its parent "
-            "sent: the parent failed to pickle the process's arguments (a lambda, a local class, an open file)")
-    else:
-        return root
-    return root if rule is None else replace(root, rule=rule, reasons=root.reasons + (why,))
-
-
-def error_file_exception(root: RootCause, failures: list[ChildFailure], catalog: Catalog) -> RootCause:
-    """A worker that exited with a code and printed nothing the log holds, whose ChildFailedError
-    entry shows its error file's traceback (`@record`): that exception is the worker's failure."""
-    if root.rule.id != "signal.exit_nonzero":
-        return root
-    failure = next((f for f in failures if f.exception and f.exception_line is not None
-                    and (root.rank is None or f.rank == root.rank)), None)
-    rule = catalog.get("python.exception")
-    if failure is None or rule is None:
-        return root
-    kind = failure.exception.split(":", 1)[0].strip()
-    finding = Finding(rule, {"exception_type": kind}, failure.source, failure.exception_line,
-                      StreamKey(StreamKind.LAUNCHER), failure.rank, failure.exception, -1, 0, None, "launcher",
-                      failure.exception)
-    ranks = (failure.rank,) if failure.rank is not None else ()
-    return RootCause(rule, finding, failure.rank, ranks, 0.6, (
-        f"rank {failure.rank} exited with code {failure.exitcode}; the launcher's summary shows its error file: "
-        f"{kind}",))
 
 
 SIGNAL_EXCEPTION_RULE = "launcher.signal_exception"

@@ -72,3 +72,11 @@ class Matcher:
 
     def timed_out_rules(self) -> list[str]:
         return [c.rule.id for c in self._slow if c.timed_out]
+
+
+def match_line(catalog: Catalog, text: str) -> list[RuleHit]:
+    """Every rule matching one line, highest priority first, without building the pattern set:
+    for the few lines the analysis reads back (an error file's exception in a launcher summary)."""
+    hits = [RuleHit(c.rule, captures) for c in catalog.rules
+            if c.rule.patterns and (captures := c.search(text)) is not None]
+    return sorted(hits, key=lambda h: (-h.rule.priority, h.rule.id))
