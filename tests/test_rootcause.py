@@ -267,6 +267,10 @@ def test_a_workers_error_file_in_the_launchers_summary_is_its_failure(tmp_path):
     rc = triage([str(log)]).to_dict()["root_cause"]
     assert (rc["category"], rc["rule_id"], rc["rank"], rc["line"], rc["exception_type"]) == (
         "python_exception", "python.exception", 304, 11, "NameError")
+    # the exception is read by the catalog: a MemoryError there is host memory, not a Python bug
+    log.write_text(log.read_text().replace("NameError: name 'die' is not defined", "MemoryError"))
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["category"], rc["rank"], rc["exception_type"]) == ("host_oom", 304, "MemoryError")
 
 
 def test_a_key_missing_in_a_checkpoint_loader_and_a_loggers_ranked_traceback(tmp_path):

@@ -125,6 +125,10 @@ def _continues_traceback(text: str, state: dict) -> bool:
     return True
 
 
+# the exception line closing an error file's traceback (`NameError: name ...`, a bare `MemoryError`)
+_FIELD_EXCEPTION = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)(?::|$)")
+
+
 def _continues_child_failed(text: str, state: dict) -> bool:
     """Everything up to the closing `=====` border after the Root Cause section; for a summary
     whose header the paste cut off, the error file's traceback indented under its field."""
@@ -132,7 +136,7 @@ def _continues_child_failed(text: str, state: dict) -> bool:
         return False
     if state.get("field_traceback"):
         frame_or_code = text.startswith("   ")          # `    File ...`, `      code`
-        exception = text.startswith("  ") and ":" in text and EXCEPTION_LINE.match(text.strip()) is not None
+        exception = text.startswith("  ") and _FIELD_EXCEPTION.match(text.strip()) is not None
         return frame_or_code or exception
     if BANNER_RULE.match(text):
         if state.get("root"):
