@@ -34,7 +34,7 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
         timeouts = [f for f in live if f.category is Category.COLLECTIVE_TIMEOUT
                     and f.role is not Role.CAUSE_CONFIRMATION]
         either = [f for f in either if f.attributed_by != "launcher" and f.category is not Category.CRASH_SIGNAL
-                  and not any(clearly_before(t.stamp, f.stamp) for t in timeouts)]
+                  and not any(clearly_before(t.stamp, f.stamp) or _hang_after(t, f) for t in timeouts)]
     if either:
         specific = [f for f in either if f.rule.id != "signal.exit_nonzero"] or either
         confidence = 0.6 if specific[0].rule.id != "signal.exit_nonzero" else 0.35
@@ -66,6 +66,14 @@ def warning_root(findings: list[Finding]) -> RootCause | None:
 
 def _collective_timeouts(live: list[Finding]) -> bool:
     return any(f.category is Category.COLLECTIVE_TIMEOUT or f.rule.id == "nccl.async_abort" for f in live)
+
+
+def _hang_after(timeout: Finding, finding: Finding) -> bool:
+    """A stuck-watchdog report (NCCL's heartbeat monitor) after a collective timeout in the same
+    process: the watchdog got stuck handling that timeout, so the timeout says more (their stamps
+    may not compare: a wrapped line loses its header)."""
+    return (finding.category is Category.HANG and timeout.seq < finding.seq
+            and (timeout.rank is None or finding.rank is None or timeout.rank == finding.rank))
 
 
 def _explained(finding: Finding, live: list[Finding]) -> bool:

@@ -13,8 +13,9 @@ from logtriage.rank_ranges import ranges
 
 def named_culprit(live: list[Finding]) -> int | None:
     """The rank a debug report names as the one that lagged or differed (NCCL's desync report,
-    the flight recorder)."""
-    for finding in live:
+    the flight recorder, monitored_barrier's coordinator). A peer's pointer at the coordinator
+    ("check rank 0 logs for faulty rank") counts only when the coordinator named no one."""
+    for finding in sorted(live, key=lambda f: f.role is Role.CASCADE_CANDIDATE):
         value = finding.captures.get("culprit_rank")
         if value and value.isdigit():
             return int(value)
@@ -24,9 +25,13 @@ def named_culprit(live: list[Finding]) -> int | None:
 def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankFacts) -> RootCause:
     first = earliest(timeouts)
     timed_out = {f.rank for f in timeouts if f.rank is not None}
-    # a rank whose wait ended on a peer's closed connection was in the collective too
-    in_collective = timed_out | {f.rank for f in live if f.rank is not None and f.role is Role.CASCADE_CANDIDATE
-                                 and f.category is Category.COLLECTIVE_ERROR}
+    # a rank whose wait ended on a peer's closed connection was in the collective too, unless it
+    # had stepped past the waiting ranks (it skipped their collective and failed in a later one)
+    peer_closed = {f.rank for f in live if f.rank is not None and f.role is Role.CASCADE_CANDIDATE
+                   and f.category is Category.COLLECTIVE_ERROR}
+    waited_steps = [facts.last_step[r] for r in timed_out if r in facts.last_step]
+    ahead = {r for r in peer_closed if waited_steps and facts.last_step.get(r, -1) > max(waited_steps)}
+    in_collective = timed_out | (peer_closed - ahead)
     missing = sorted(facts.known - in_collective)
     culprit = named_culprit(live)
     if culprit is not None:
@@ -42,8 +47,10 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
             f"called: those finished normally, so the extra collective is on the waiting side",))
     if len(missing) == 1:
         only = missing[0]
+        went_on = (f" (it had gone on to step {facts.last_step[only]} and failed in a later collective)"
+                   if only in ahead else "")
         return RootCause(first.rule, first, only, (only,), 0.65, (
-            f"every rank but {only} timed out in a collective: rank {only} never joined it",))
+            f"every rank but {only} timed out in a collective: rank {only} never joined it{went_on}",))
     if missing:
         reasons = [f"ranks {ranges(missing, limit=8)} never joined the collective the others timed out in"]
         if 0 in missing:

@@ -34,6 +34,7 @@ RANK_EXCEPTION_NOISE = (
     Variant("cpp_log_info", env=(("TORCH_CPP_LOG_LEVEL", "INFO"),
                                  ("TORCH_DISTRIBUTED_DEBUG", "INFO"))),
     Variant("logging_format", script_args=("--log-format",)),
+    Variant("cpp_stacktraces", env=(("TORCH_SHOW_CPP_STACKTRACES", "1"),)),   # C++ frames under c10 errors
     Variant("tqdm", script_args=("--tqdm",), requires_modules=("tqdm",)),
     Variant("probe", script_args=("--probe",)),
     Variant("tee3_logdir_record", launcher_args=TEE, script_args=("--record",), log_dir=True),
