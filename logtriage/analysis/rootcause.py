@@ -98,7 +98,8 @@ MESSAGE_LINES = 4   # how far below an exception line its message's own lines ma
 def _specific_in_block(first: Finding, candidates: list[Finding]) -> Finding:
     """An exception matched only by its type, whose multi-line message goes on to lines a
     specific rule knows (fairseq's FloatingPointError followed by its per-rank `rank 3 = nan`
-    table, a few lines below it and outside any other block): the specific reading of the same exception is the root."""
+    table, a few lines below it and outside any other block): the specific reading of the same
+    exception is the root."""
     if first.rule.id != GENERIC_EXCEPTION_RULE:
         return first
     specific = next((f for f in candidates if f.source == first.source and 0 < f.line - first.line <= MESSAGE_LINES
