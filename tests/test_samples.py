@@ -12,6 +12,7 @@ from logtriage.regress.cases import compare, find_cases
 from tests.conftest import SAMPLES
 
 CASES = find_cases(SAMPLES)
+UNREVIEWED = "UNREVIEWED"   # marker file of a held-out folder whose measurement the lead has not reviewed
 
 
 def test_there_are_samples_of_every_kind():
@@ -26,6 +27,9 @@ def test_sample_diagnosis(case):
     problems = compare(case.expectation, report)
     if problems and case.expectation.known_miss:
         pytest.xfail(case.expectation.known_miss)
+    if problems and (case.log.parent / UNREVIEWED).exists():
+        # a held-out set still being collected: its labels are measured first, then reviewed
+        pytest.xfail(f"held-out set not yet reviewed: {'; '.join(problems)}")
     assert problems == []
     assert not case.expectation.known_miss, "diagnosed right now: drop its known_miss"
     rc = report["root_cause"]

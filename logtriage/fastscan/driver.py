@@ -18,7 +18,7 @@ from logtriage.demux.clean import clean, decode
 from logtriage.demux.prefixes import Dialect
 from logtriage.errors import InputError
 from logtriage.fastscan.chunks import file_chunks, stream_chunks
-from logtriage.fastscan.flags import CANDIDATE, NOT_PLAIN
+from logtriage.fastscan.flags import CANDIDATE, COLLECTOR_STAMP, NOT_PLAIN, SRUN_LABEL
 from logtriage.fastscan.merge import ChunkLines, ChunkMerger
 from logtriage.ingest.sources import Source, starts_gzip
 from logtriage.scan import DIALECT_SAMPLE, LineScanner, ScanResult, SourceIndex, new_result
@@ -84,17 +84,17 @@ def _scan_source(result, source, index, matcher, prefilter, pool, progress) -> N
     head = head_bytes.split(b"\n", DIALECT_SAMPLE)[:DIALECT_SAMPLE] if head_bytes else []
     scanner = LineScanner(result, source, index, matcher, Dialect.detect(clean(decode(raw)) for raw in head))
     dialect = scanner.assigner.dialect
-    srun = dialect.srun and not dialect.srun_nodes
-    if dialect.srun_nodes or dialect.hosts or dialect.stamped:   # prefixes the kernel does not parse
+    labels = (SRUN_LABEL if dialect.srun and not dialect.srun_nodes else 0) | (COLLECTOR_STAMP if dialect.stamped else 0)
+    if dialect.srun_nodes or dialect.hosts:   # prefixes the kernel does not parse
         _exact(scanner, file_chunks(source, CHUNK_BYTES, IN_FLIGHT) if path is not None else itertools.chain([first] if first else [], chunks))
     elif path is not None:
-        _file_ranges(scanner, path, pool, prefilter, progress, srun)
+        _file_ranges(scanner, path, pool, prefilter, progress, labels)
     elif first is not None:
-        _stream(scanner, itertools.chain([first], chunks), pool, prefilter, progress, srun)
+        _stream(scanner, itertools.chain([first], chunks), pool, prefilter, progress, labels)
     scanner.close()
 
 
-def _file_ranges(scanner: LineScanner, path: str, pool, prefilter, progress, srun: bool) -> None:
+def _file_ranges(scanner: LineScanner, path: str, pool, prefilter, progress, labels: int) -> None:
     """A regular file: workers read and analyse byte ranges themselves (the lines that start in
     each range); this process only reads back the few lines the exact path needs."""
     global _PREFILTER
@@ -108,8 +108,8 @@ def _file_ranges(scanner: LineScanner, path: str, pool, prefilter, progress, sru
     try:
         for low in range(0, size, CHUNK_BYTES):
             high = min(low + CHUNK_BYTES, size)
-            job = (pool.submit(_analyse_range, path, low, high, hint, srun) if pool
-                   else _analyse_range(path, low, high, hint, srun))
+            job = (pool.submit(_analyse_range, path, low, high, hint, labels) if pool
+                   else _analyse_range(path, low, high, hint, labels))
             pending.append(job)
             if len(pending) >= IN_FLIGHT:
                 number = _merge_range(merger, fd, pending.popleft(), number, progress)
@@ -128,14 +128,14 @@ def _merge_range(merger: ChunkMerger, fd: int, job, number: int, progress) -> in
     return number + len(lines.starts)
 
 
-def _stream(scanner: LineScanner, chunks, pool, prefilter, progress, srun: bool) -> None:
+def _stream(scanner: LineScanner, chunks, pool, prefilter, progress, labels: int) -> None:
     hint = -1 if scanner.source.rank_hint is None else scanner.source.rank_hint
     merger = ChunkMerger(scanner)
     number = 1
     pending: deque = deque()
     for base, data in chunks:
-        job = (pool.submit(_analyse, bytes(data), hint, srun) if pool is not None
-               else _analyse(data, hint, srun, prefilter))
+        job = (pool.submit(_analyse, bytes(data), hint, labels) if pool is not None
+               else _analyse(data, hint, labels, prefilter))
         pending.append((base, data, job))
         if len(pending) >= IN_FLIGHT:
             number = _merge(merger, pending.popleft(), number, progress)
@@ -180,7 +180,7 @@ def _exact(scanner: LineScanner, chunks) -> None:
             offset += len(raw) + 1
 
 
-def _analyse(data, rank_hint: int, srun: bool = False, prefilter=None, offset: int = 0,
+def _analyse(data, rank_hint: int, labels: int = 0, prefilter=None, offset: int = 0,
              size: int | None = None) -> ChunkLines:
     """The per-line arrays of `data[offset:offset + size]` (whole lines), without copying it."""
     from logtriage.fastscan import kernel
@@ -194,14 +194,14 @@ def _analyse(data, rank_hint: int, srun: bool = False, prefilter=None, offset: i
     flags = np.empty(n, dtype=np.uint8)
     cuts = np.empty(n, dtype=np.int32)
     ranks2 = np.empty(n, dtype=np.int64)
-    kernel.classify(buf, rank_hint, srun, starts, messages, ranks, flags, cuts, ranks2)
+    kernel.classify(buf, rank_hint, labels, starts, messages, ranks, flags, cuts, ranks2)
     whole = data if isinstance(data, bytes) else bytes(data)
     candidates = prefilter.candidate_lines(whole, starts, offset, size)
     flags[candidates] |= CANDIDATE
     return ChunkLines(starts, messages, ranks, flags, cuts, ranks2)
 
 
-def _analyse_range(path: str, low: int, high: int, rank_hint: int, srun: bool = False) -> tuple[int, int, ChunkLines]:
+def _analyse_range(path: str, low: int, high: int, rank_hint: int, labels: int = 0) -> tuple[int, int, ChunkLines]:
     """The lines whose first byte lies in [low, high): (their start, their length, analysis)."""
     with open(path, "rb") as f:
         fd = f.fileno()
@@ -213,7 +213,7 @@ def _analyse_range(path: str, low: int, high: int, rank_hint: int, srun: bool = 
             nl = buf.find(b"\n")
             first = nl + 1 if 0 <= nl < high - base else -1
         if first < 0:
-            return low, 0, _analyse(b"", rank_hint, srun)   # inside one long line that started earlier
+            return low, 0, _analyse(b"", rank_hint, labels)   # inside one long line that started earlier
         end = buf.find(b"\n", high - 1 - base)
         overlong = end < 0 and len(buf) >= high - base + RANGE_TAIL
         position = len(buf)
@@ -225,7 +225,7 @@ def _analyse_range(path: str, low: int, high: int, rank_hint: int, srun: bool = 
             end = position + found if found >= 0 else -1
             position += len(more)
         stop = end + 1 if end >= 0 else position
-        lines = _analyse(buf, rank_hint, srun, offset=first, size=min(stop, len(buf)) - first)
+        lines = _analyse(buf, rank_hint, labels, offset=first, size=min(stop, len(buf)) - first)
         if overlong and len(lines.flags):
             lines.flags[-1] |= NOT_PLAIN   # analysed in part: the merge reads it back (capped) and matches it
     return base + first, stop - first, lines

@@ -10,3 +10,7 @@ EMPTY = np.uint8(8)         # an empty line: it joins the stream of the line bef
 CANDIDATE = np.uint8(16)    # the prefilter found something a rule or the demuxer may care about
 NO_RANK = -1
 INHERIT = -3                # the slot of the previous line's last part
+
+# which line labels the kernel strips (its `labels` argument)
+SRUN_LABEL = 1              # Slurm's `--label` task number, the task being a rank
+COLLECTOR_STAMP = 2         # a log collector's RFC 3339 time in front of every line

@@ -16,7 +16,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from logtriage.fastscan.flags import EMPTY, INHERIT, NO_RANK, NOT_PLAIN, STEP, STEP2  # noqa: F401
+from logtriage.fastscan.flags import (  # noqa: F401
+    COLLECTOR_STAMP, EMPTY, INHERIT, NO_RANK, NOT_PLAIN, SRUN_LABEL, STEP, STEP2)
+
 MAX_PLAIN_LINE = 1900       # longer lines take the exact path (its step/world checks are length-bound)
 MARKER_HEAD = 120           # find_rank_marker looks at text[:120]
 
@@ -113,6 +115,48 @@ def _srun_label(buf, i, end):
     if digits == 0 or digits > 7 or k + 1 >= end or buf[k] != 58 or buf[k + 1] != 32:
         return -1, -1
     return value, k + 2
+
+
+@njit(cache=True, nogil=True)
+def _collector_stamp(buf, i, end):
+    """A log collector's RFC 3339 time, `\\d{4}-\\d\\d-\\d\\dT\\d\\d:\\d\\d:\\d\\d(\\.\\d{1,9})?(Z|[+-]\\d\\d:?\\d\\d):? `
+    at i (demux prefixes._COLLECTOR_STAMP): the message start after it, or -1."""
+    k = i
+    for width, sep in ((4, 45), (2, 45), (2, 84), (2, 58), (2, 58), (2, -1)):
+        for _ in range(width):
+            if k >= end or not _is_digit(buf[k]):
+                return -1
+            k += 1
+        if sep >= 0:
+            if k >= end or buf[k] != sep:
+                return -1
+            k += 1
+    if k < end and buf[k] == 46:
+        k += 1
+        digits = 0
+        while k < end and digits < 10 and _is_digit(buf[k]):
+            k += 1
+            digits += 1
+        if digits == 0 or digits > 9:
+            return -1
+    if k < end and buf[k] == 90:
+        k += 1
+    elif k < end and (buf[k] == 43 or buf[k] == 45):
+        k += 1
+        for part in range(2):
+            if part == 1 and k < end and buf[k] == 58:
+                k += 1
+            for _ in range(2):
+                if k >= end or not _is_digit(buf[k]):
+                    return -1
+                k += 1
+    else:
+        return -1
+    if k < end and buf[k] == 58:
+        k += 1
+    if k >= end or buf[k] != 32:
+        return -1
+    return k + 1
 
 
 @njit(cache=True, nogil=True)
@@ -498,9 +542,12 @@ def _redraw(buf, start, end):
 
 
 @njit(cache=True, nogil=True)
-def classify(buf, rank_hint, srun, starts, messages, ranks, flags, cuts, ranks2):
-    """Fill the per-line arrays for `buf` (whole lines); returns the number of lines. `srun`: the
-    log uses Slurm's `--label` prefix and its tasks are ranks (demux Dialect.srun, not srun_nodes)."""
+def classify(buf, rank_hint, labels, starts, messages, ranks, flags, cuts, ranks2):
+    """Fill the per-line arrays for `buf` (whole lines); returns the number of lines. `labels`
+    (flags.SRUN_LABEL | flags.COLLECTOR_STAMP): the log uses Slurm's `--label` prefix and its tasks
+    are ranks (demux Dialect.srun, not srun_nodes); every line starts with a collector's time."""
+    srun = (labels & SRUN_LABEL) != 0
+    stamped = (labels & COLLECTOR_STAMP) != 0
     cap = starts.shape[0]
     ends = np.empty(cap, dtype=np.int64)
     bad = np.empty(cap, dtype=np.bool_)
@@ -526,6 +573,10 @@ def classify(buf, rank_hint, srun, starts, messages, ranks, flags, cuts, ranks2)
                 i = a
                 end = b
                 redrawn = True
+        if stamped and not redrawn:
+            after = _collector_stamp(buf, i, end)
+            if after >= 0:
+                i = after
         flag = 0
         rank = NO_RANK
         cut = 0
