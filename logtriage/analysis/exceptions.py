@@ -5,6 +5,7 @@ failure), and what a worker's error file in the launcher's summary says when not
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 from logtriage.analysis.childfailed import ChildFailure
@@ -47,13 +48,15 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
 GPU_COUNT_FRAMES = frozenset({"_init_dist_pytorch", "_init_dist_slurm", "_init_dist_mpi", "init_dist"})
 # multiprocessing's spawn child unpickles what its parent sent; an empty pipe means the parent failed
 SPAWN_CHILD_FRAME = "_main"
+# a full or over-quota file system, as any writer reports it (torch.save's own words name the save)
+_DISK_FULL = re.compile(r"No space left on device|Disk quota exceeded")
 
 
 def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
     """An exception whose meaning is in the frame that raised it: a ZeroDivisionError in
     OpenMMLab's init_dist is "no GPU visible"; an `EOFError: Ran out of input` in a spawn child's
     `_main` is the parent failing to send the process's state (a pickling error), not a truncated
-    checkpoint."""
+    checkpoint; a full disk with no checkpoint frame is the file system's, not a checkpoint's."""
     f = root.finding
     if f is None:
         return root
@@ -66,6 +69,10 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
         rule, why = catalog.get("python.exception"), (
             "the EOFError is raised in multiprocessing's spawn `_main`, where a child unpickles what its parent "
             "sent: the parent failed to pickle the process's arguments (a lambda, a local class, an open file)")
+    elif root.rule.id == "ckpt.write_failed" and f.last_frame and not f.checkpoint_frame and _DISK_FULL.search(f.text):
+        rule, why = catalog.get("host.filesystem_error"), (
+            f"the disk filled up in `{f.last_frame}`, outside any checkpoint code (no save frame): another "
+            "writer, /tmp or /dev/shm, ran out of space")
     else:
         return root
     return root if rule is None else replace(root, rule=rule, reasons=root.reasons + (why,))

@@ -27,6 +27,9 @@ CASCADE_EXCEPTION_TYPES = frozenset({
     "SignalException", "KeyboardInterrupt", "BrokenPipeError", "ConnectionResetError",
     "ConnectionRefusedError", "ProcessExitedException", "ProcessRaisedException", "SystemExit",
     "CalledProcessError",
+    # Spark's wrappers of a Python worker's failure (driver side, JVM side); the worker's own
+    # traceback follows in them
+    "Py4JJavaError", "PythonException",
 })
 _SIGNAL_RULES = {"SIGSEGV": "signal.sigsegv", "SIGABRT": "signal.sigabrt", "SIGBUS": "signal.sigbus",
                  "SIGKILL": "signal.sigkill", "SIGTERM": "signal.sigterm"}
