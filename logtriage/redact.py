@@ -59,6 +59,12 @@ _WEAK_SECRET_NAME = re.compile(r"^(?!.*(?:api|secret|token|pass|private|auth|cre
 _IDENTIFIER_VALUE = re.compile(r"^[A-Za-z_]+(?:\.[A-Za-z_]+)+$")
 # A plain lower-case word is prose, not a secret: `unique_by_key: failed to synchronize` (thrust).
 _WORD_VALUE = re.compile(r"^[a-z]{2,20}$")
+def _names_a_field(name: str, value: str) -> bool:
+    """`'enable_thinking_key': 'enable_thinking'` (a config naming the field its value is read from):
+    the value is the name without its `_key`, so it is a field name, not a secret."""
+    return len(value) >= 3 and name.lower().rsplit("_key", 1)[0].rsplit("-key", 1)[0] == value.lower()
+
+
 _HOST_NAME = r"[A-Za-z0-9][A-Za-z0-9_.\[\]-]*"
 _FQDN_TLDS = ("com|net|org|edu|gov|io|ai|cloud|internal|local|lan|corp|intra|cluster|svc|localdomain|"
               "us|uk|de|fr|jp|cn|kr|ru|eu|ca|au|nl|ch|se|in|sg|tw|hk")
@@ -216,10 +222,12 @@ class Redactor:
         quote = m.group("as_q") or ""
         value = m.group("as_qval") if quote else m.group("as_val")
         bare = name.strip("\"'-")
-        if _NOT_SECRET_NAMES.match(bare) or _PLACEHOLDER.match(value.strip()) or _SHORT_NUMBER.match(value.strip()):
+        plain = value.strip()
+        listed = plain.rstrip(",;")   # a dict or argument list goes on after the value: `'x_token': False,`
+        if _NOT_SECRET_NAMES.match(bare) or _PLACEHOLDER.match(listed) or _SHORT_NUMBER.match(listed):
             return m.group(0)   # a short number is a counter or an index, not a secret (store_based_barrier_key:2)
-        if _WEAK_SECRET_NAME.match(bare) and (_IDENTIFIER_VALUE.match(value.strip()) or _WORD_VALUE.match(value.strip())) \
-                and not token_kind(value):
+        if _WEAK_SECRET_NAME.match(bare) and (_IDENTIFIER_VALUE.match(plain) or _WORD_VALUE.match(plain)
+                                               or _names_a_field(bare, plain)) and not token_kind(value):
             return m.group(0)   # full_key: dataset.train_dataset; unique_by_key: failed to synchronize
         kind = token_kind(value) or _kind_by_name(bare)
         return f"{name}{m.group('as_sep')}{quote}{_mark(kind)}{quote}"

@@ -192,6 +192,9 @@ def test_config_names_ending_in_key_keep_dotted_code_names():
     assert r.redact("secret_key=abc.def") == "secret_key=[REDACTED:secret]"
     assert r.redact("API_KEY=sk_live_abc") == "API_KEY=[REDACTED:secret]"
     assert r.redact("db_key=hunter_two") == "db_key=[REDACTED:secret]"
+    # a config naming the field its value is read from (verl's data config, public33)
+    line = "'tools_key': 'tools', 'enable_thinking_key': 'enable_thinking', 'balance_dp_token': False, 'x': 1"
+    assert r.redact(line) == line
     # thrust's CUDA error prose (a device-side assert): a lower-case word after `*_key:` is text
     line = "RuntimeError: unique_by_key: failed to synchronize: cudaErrorAssert: device-side assert triggered"
     assert r.redact(line) == line
