@@ -99,7 +99,10 @@ def _quiet_interrupts() -> None:
         default_hook(unraisable)
 
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, on_sigint)
+        try:
+            signal.signal(signal.SIGINT, on_sigint)
+        except OSError:   # a Ctrl-C raced the installation: Python raises KeyboardInterrupt instead
+            pass
     sys.unraisablehook = on_unraisable
 
 

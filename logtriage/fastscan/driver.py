@@ -240,7 +240,10 @@ def _is_gzip(source: Source) -> bool:
 
 def _init_worker(prefilter, parent: int) -> None:
     global _PREFILTER
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
+    except OSError:
+        pass   # "Signal 2 ignored due to race condition": a Ctrl-C arrived while this was set; it is the parent's
     _die_with_parent(parent)
     _PREFILTER = prefilter
 
