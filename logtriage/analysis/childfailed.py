@@ -9,13 +9,13 @@ import re
 from dataclasses import dataclass
 
 from logtriage.analysis.timestamps import Stamp, parse_cfe_time
+from logtriage.demux.blocks import EXCEPTION_HEAD
 from logtriage.demux.launcher import CFE_EXIT, CFE_RANK, MPI_NOTICE, MPI_NOTICE_SIGNAL, is_cfe_start
 
 # The rank and exitcode fields are read with the demuxer's own patterns (at most 12 digits: a
 # log cannot make an integer too big for the JSON report or too long to convert).
 _ENTRY = re.compile(r"^\[(\d{1,12})\]:\s*$")
 _FIELD = re.compile(r"^\s{1,4}(time|host|rank|exitcode|error_file|traceback)\s*: ?(.*)$")
-_EXCEPTION = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)(?::|$)")
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def parse_child_failures(launcher_lines: list[tuple[int, int, str]]) -> list[Chi
         if current is not None and "traceback" in current:
             # the error file's traceback, indented under the field; its last exception line is the worker's
             if text.startswith("  ") and not _FIELD.match(text):
-                if _EXCEPTION.match(text.strip()):
+                if EXCEPTION_HEAD.match(text.strip()):
                     current["exception"], current["exception_line"] = text.strip(), number
                 continue
             _flush(current, entries)

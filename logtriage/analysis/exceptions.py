@@ -9,7 +9,7 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.childfailed import ChildFailure
-from logtriage.analysis.findings import Finding, short_type
+from logtriage.analysis.findings import Finding, exception_type_of, short_type
 from logtriage.analysis.hangs import fallback_rule
 from logtriage.analysis.roots import RootCause
 from logtriage.catalog.loader import Catalog
@@ -93,7 +93,7 @@ def error_file_exception(root: RootCause, failures: list[ChildFailure], catalog:
     rule = hit.rule if hit is not None else catalog.get("python.exception")
     if rule is None:
         return root
-    kind = failure.exception.split(":", 1)[0].strip()
+    kind = exception_type_of(failure.exception) or "Exception"
     captures = {**(hit.captures if hit is not None else {}), "exception_type": kind}
     finding = Finding(rule, captures, failure.source, failure.exception_line, StreamKey(StreamKind.LAUNCHER),
                       failure.rank, failure.exception, -1, 0, None, "launcher", failure.exception)

@@ -16,6 +16,7 @@ from typing import Mapping
 from logtriage.analysis.childfailed import ChildFailure, signal_name
 from logtriage.analysis.timestamps import Stamp
 from logtriage.catalog.rule import Category, Role, Rule, Severity
+from logtriage.demux.blocks import EXCEPTION_HEAD
 from logtriage.demux.launcher import PY_GLOG
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.scan import Hit, ScanResult
@@ -37,7 +38,6 @@ _SIGNAL_RULES = {"SIGSEGV": "signal.sigsegv", "SIGABRT": "signal.sigabrt", "SIGB
 # "Rank 1 is running collective"); used when the line itself carries no rank prefix.
 SELF_RANK_CAPTURES = ("self_rank", "pg_rank")
 _BLOCK_KINDS_WITH_ONE_EVENT = frozenset({"traceback", "native", "cpp", "fault"})
-_EXCEPTION_TYPE = re.compile(r"^((?:[A-Za-z_]\w*\.)*(?:[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)|Exception))(?::|$)")
 _RAISE_LINE = re.compile(r"^\s+raise\b")
 _WORKER_FIELDS = frozenset({"local_rank", "pid", "process", "task"})
 _INFO_LINE = re.compile(r"^\[?I\d{3,4} \d\d:\d\d:\d\d")
@@ -108,7 +108,7 @@ def exception_type_of(text: str) -> str | None:
     else:
         logger = _VLLM_LOGGER.match(text)
         text = text[logger.end():] if logger else text
-    m = _EXCEPTION_TYPE.match(text.lstrip("*_`"))
+    m = EXCEPTION_HEAD.match(text.lstrip("*_`"))
     return m.group(1) if m else None
 
 

@@ -68,7 +68,7 @@ class Matcher:
             captures = compiled.search(text)
             if captures is not None:
                 hits[compiled.rule.id] = RuleHit(compiled.rule, captures)
-        return sorted(hits.values(), key=lambda h: (-h.rule.priority, h.rule.id))
+        return _by_priority(hits.values())
 
     def timed_out_rules(self) -> list[str]:
         return [c.rule.id for c in self._slow if c.timed_out]
@@ -77,6 +77,10 @@ class Matcher:
 def match_line(catalog: Catalog, text: str) -> list[RuleHit]:
     """Every rule matching one line, highest priority first, without building the pattern set:
     for the few lines the analysis reads back (an error file's exception in a launcher summary)."""
-    hits = [RuleHit(c.rule, captures) for c in catalog.rules
-            if c.rule.patterns and (captures := c.search(text)) is not None]
+    return _by_priority(RuleHit(c.rule, captures) for c in catalog.rules
+                        if c.rule.patterns and (captures := c.search(text)) is not None)
+
+
+def _by_priority(hits) -> list[RuleHit]:
+    """Highest priority first, ties by id."""
     return sorted(hits, key=lambda h: (-h.rule.priority, h.rule.id))

@@ -26,6 +26,9 @@ class BlockKind(str, Enum):
 TRACEBACK_START = re.compile(r"^Traceback \(most recent call last\):\s*$")
 _CHAIN = re.compile(r"^(?:During handling of the above exception, another exception occurred:"
                     r"|The above exception was the direct cause of the following exception:)\s*$")
+# An exception line's head, its type in group 1 (`NameError: name ...`, `torch.OutOfMemoryError: ...`,
+# a bare `MemoryError`): what closes a traceback, also an error file's in a launcher summary.
+EXCEPTION_HEAD = re.compile(r"^((?:[A-Za-z_]\w*\.)*(?:[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)|Exception))(?::|$)")
 EXCEPTION_LINE = re.compile(r"^(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)(?::(?: (?P<message>.*))?)?$")
 CPP_GLOG = re.compile(r"^\[([IWEF])(\d{3,4}) (\d\d:\d\d:\d\d\.\d{3,9})(?: \d+)? ([^ \]]+):(\d+)\] ")
 _CPP_CONT = re.compile(r"^(?:Exception raised from |frame #\d+: |<omitting python frames>|\s)")
@@ -125,10 +128,6 @@ def _continues_traceback(text: str, state: dict) -> bool:
     return True
 
 
-# the exception line closing an error file's traceback (`NameError: name ...`, a bare `MemoryError`)
-_FIELD_EXCEPTION = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)(?::|$)")
-
-
 def _continues_child_failed(text: str, state: dict) -> bool:
     """Everything up to the closing `=====` border after the Root Cause section; for a summary
     whose header the paste cut off, the error file's traceback indented under its field."""
@@ -136,7 +135,7 @@ def _continues_child_failed(text: str, state: dict) -> bool:
         return False
     if state.get("field_traceback"):
         frame_or_code = text.startswith("   ")          # `    File ...`, `      code`
-        exception = text.startswith("  ") and _FIELD_EXCEPTION.match(text.strip()) is not None
+        exception = text.startswith("  ") and EXCEPTION_HEAD.match(text.strip()) is not None
         return frame_or_code or exception
     if BANNER_RULE.match(text):
         if state.get("root"):
