@@ -120,17 +120,27 @@ def _host_like(token: str) -> bool:
     return any(c.isdigit() or c in "-." for c in token) or token.islower()
 
 
+def _line_labels(line: str, dialect: Dialect) -> tuple[str, list[tuple[str, re.Match | None]]]:
+    """The labels a launcher or collector puts on every physical line, outermost first (paste
+    indent, collector stamp, srun label, Open MPI tag, pdsh host): the text after them, and each
+    label's layer name and match."""
+    text, labels = line, []
+    if dialect.indent and text[:dialect.indent].isspace() and len(text) >= dialect.indent:
+        text = text[dialect.indent:]
+        labels.append(("indent", None))
+    for layer, pattern, used in (("stamp", _COLLECTOR_STAMP, dialect.stamped), ("srun", _SRUN, dialect.srun),
+                                 ("mpi", _MPI, True), ("host", _HOST, bool(dialect.hosts))):
+        m = pattern.match(text) if used else None
+        if m and (layer != "host" or m.group(1) in dialect.hosts):
+            text = text[m.end():]
+            labels.append((layer, m))
+    return text, labels
+
+
 def line_prefix_end(line: str, dialect: Dialect) -> int:
-    """Where the prefixes that a launcher puts on every physical line (paste indent, collector
-    stamp, srun label, Open MPI tag, pdsh host) end: two ranks' output glued on one line under a
-    host's prefix are both that host's, so each piece keeps it."""
-    end = dialect.indent if dialect.indent and line[:dialect.indent].isspace() else 0
-    for pattern, used in ((_COLLECTOR_STAMP, dialect.stamped), (_SRUN, dialect.srun), (_MPI, True),
-                          (_HOST, bool(dialect.hosts))):
-        m = pattern.match(line[end:]) if used else None
-        if m and (pattern is not _HOST or m.group(1) in dialect.hosts):
-            end += m.end()
-    return end
+    """Where the labels on every physical line end: two ranks' output glued on one line under a
+    host's label are both that host's, so each piece keeps it."""
+    return len(line) - len(_line_labels(line, dialect)[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,33 +157,18 @@ class Prefixes:
 
 
 def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
-    text, rank, local, host, layers = line, None, None, None, []
-    if dialect.indent and text[:dialect.indent].isspace() and len(text) >= dialect.indent:
-        text = text[dialect.indent:]
-        layers.append("indent")
-    if dialect.stamped:
-        m = _COLLECTOR_STAMP.match(text)
-        if m:
-            text = text[m.end():]
-            layers.append("stamp")
-    if dialect.srun:
-        m = _SRUN.match(text)
-        if m:
-            if dialect.srun_nodes:
-                host = f"task{int(m.group(1))}"
-            else:
-                rank = int(m.group(1))
-            text = text[m.end():]
-            layers.append("srun")
-    m = _MPI.match(text)
-    if m:
-        rank, text = int(m.group(2)), text[m.end():]
-        layers.append("mpi")
-    if dialect.hosts:
-        m = _HOST.match(text)
-        if m and m.group(1) in dialect.hosts:
-            host, text = m.group(1), text[m.end():]
-            layers.append("host")
+    text, labels = _line_labels(line, dialect)
+    rank, local, host = None, None, None
+    for layer, m in labels:
+        if layer == "srun" and dialect.srun_nodes:
+            host = f"task{int(m.group(1))}"
+        elif layer == "srun":
+            rank = int(m.group(1))
+        elif layer == "mpi":
+            rank = int(m.group(2))
+        elif layer == "host":
+            host = m.group(1)
+    layers = [layer for layer, _ in labels]
     m = _RAY.match(text) if text[:1] == "(" else None
     if m:
         text = text[m.end():]
