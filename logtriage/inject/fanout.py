@@ -61,7 +61,7 @@ def run_tasks(tasks: list[Task], cwd: Path, base_env: dict[str, str], log: Binar
             timed_out = True
             break
     for proc in procs:
-        _stop(proc)
+        stop_group(proc)
     for reader in readers:
         reader.join(timeout=10)
     codes = [p.wait() for p in procs]
@@ -83,8 +83,9 @@ def _severity(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Whatever the task left running (workers that outlive their agent) goes with its session."""
+def stop_group(proc: subprocess.Popen) -> None:
+    """Stop a process started in its own session and whatever it left running there (workers that
+    outlive their agent): SIGTERM, then SIGKILL after 5 s."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)

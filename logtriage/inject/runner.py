@@ -22,7 +22,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Iterator
 
-from logtriage.inject.fanout import Task, pdsh_label, run_tasks, srun_label
+from logtriage.inject.fanout import Task, pdsh_label, run_tasks, srun_label, stop_group
 from logtriage.inject.model import Backend, Launcher, ResolvedExpectation, Scenario, Variant
 from logtriage.inject.workspace import Workspace
 
@@ -171,19 +171,6 @@ def _run_env(plan: RunPlan, port: int) -> dict[str, str]:
     return env
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def execute(plan: RunPlan, workspace: Workspace, out_dir: Path) -> RunResult:
     """Run the plan and write ``<out_dir>/<name>.log`` (and ``<name>/`` for log-dir runs)."""
     workspace.reset_run_dirs()
@@ -194,12 +181,10 @@ def execute(plan: RunPlan, workspace: Workspace, out_dir: Path) -> RunResult:
     log_path = out_dir / f"{plan.name}.log"
     tasks = plan.tasks(workspace, port)
     with _occupied(port, plan.variant.occupy_master_port), open(log_path, "wb") as log:
-        if tasks is not None:
-            started = time.monotonic()
-            code, timed_out = run_tasks(tasks, workspace.root, env, log, plan.timeout_s)
-            duration = time.monotonic() - started
-        else:
-            code, timed_out, duration = _run_one(argv, workspace, env, log, plan.timeout_s)
+        started = time.monotonic()
+        code, timed_out = (run_tasks(tasks, workspace.root, env, log, plan.timeout_s) if tasks is not None
+                           else _run_one(argv, workspace, env, log, plan.timeout_s))
+        duration = time.monotonic() - started
     data = log_path.read_bytes()
     tree = _keep_log_dir(workspace, out_dir / plan.name) if plan.variant.log_dir else None
     env_text = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env().items())
@@ -218,8 +203,8 @@ def execute(plan: RunPlan, workspace: Workspace, out_dir: Path) -> RunResult:
     )
 
 
-def _run_one(argv: list[str], workspace: Workspace, env: dict[str, str], log, timeout_s: float) -> tuple[int, bool, float]:
-    started = time.monotonic()
+def _run_one(argv: list[str], workspace: Workspace, env: dict[str, str], log, timeout_s: float) -> tuple[int, bool]:
+    """Run the launcher; its exit code and whether the safety timeout had to stop it."""
     timed_out = False
     proc = subprocess.Popen(argv, cwd=workspace.root, env=env, stdin=subprocess.DEVNULL,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -227,15 +212,14 @@ def _run_one(argv: list[str], workspace: Workspace, env: dict[str, str], log, ti
         code = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
-        _kill_group(proc)
+        stop_group(proc)
         code = proc.wait()
-    duration = time.monotonic() - started
     # Workers that outlive the launcher (they should not) are in the same session.
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    return code, timed_out, duration
+    return code, timed_out
 
 
 def _keep_log_dir(workspace: Workspace, destination: Path) -> Path | None:
