@@ -48,3 +48,18 @@ def test_excepthook_and_tee_prefixes_match_the_exact_path(text):
     m = prefixes._TEE.match(text)
     expected = (int(m.group(2)), m.end()) if m and m.group(1) != "rank" else (-1, -1)
     assert (local, after) == expected, text
+
+
+STAMP_PIECES = ["2023", "-", "05", "26", "T", "16", ":", "48", "07", ".", "093268664", "1234567890", "Z", "+",
+                "02", "0200", " ", ": ", "x", "1"]
+stamps = st.builds(lambda date, rest: date + rest,
+                   st.sampled_from(["2023-05-26T16:48:07", "2023-05-26T16:48:7", "202-05-26T16:48:07", ""]),
+                   st.lists(st.sampled_from(STAMP_PIECES), max_size=6).map("".join))
+
+
+@settings(max_examples=3000, deadline=None)
+@given(stamps | st.lists(st.sampled_from(STAMP_PIECES), max_size=12).map("".join))
+def test_collector_stamp_matches_the_exact_path(text):
+    after = kernel._collector_stamp(_buf(text), 0, len(text))
+    m = prefixes._COLLECTOR_STAMP.match(text)
+    assert after == (m.end() if m else -1), text

@@ -122,41 +122,31 @@ def _collector_stamp(buf, i, end):
     """A log collector's RFC 3339 time, `\\d{4}-\\d\\d-\\d\\dT\\d\\d:\\d\\d:\\d\\d(\\.\\d{1,9})?(Z|[+-]\\d\\d:?\\d\\d):? `
     at i (demux prefixes._COLLECTOR_STAMP): the message start after it, or -1."""
     k = i
-    for width, sep in ((4, 45), (2, 45), (2, 84), (2, 58), (2, 58), (2, -1)):
-        for _ in range(width):
-            if k >= end or not _is_digit(buf[k]):
-                return -1
-            k += 1
-        if sep >= 0:
-            if k >= end or buf[k] != sep:
-                return -1
-            k += 1
-    if k < end and buf[k] == 46:
-        k += 1
-        digits = 0
-        while k < end and digits < 10 and _is_digit(buf[k]):
-            k += 1
-            digits += 1
+    for width, sep in ((4, 45), (2, 45), (2, 84), (2, 58), (2, 58), (2, -1)):   # 2023-05-26T16:48:07
+        _, digits, k = _number(buf, k, end, width)
+        if digits != width or (sep >= 0 and (k >= end or buf[k] != sep)):
+            return -1
+        k += 1 if sep >= 0 else 0
+    if k < end and buf[k] == 46:                       # .093268664
+        _, digits, k = _number(buf, k + 1, end, 9)
         if digits == 0 or digits > 9:
             return -1
-    if k < end and buf[k] == 90:
+    if k < end and buf[k] == 90:                       # Z
         k += 1
-    elif k < end and (buf[k] == 43 or buf[k] == 45):
-        k += 1
-        for part in range(2):
-            if part == 1 and k < end and buf[k] == 58:
-                k += 1
-            for _ in range(2):
-                if k >= end or not _is_digit(buf[k]):
-                    return -1
-                k += 1
+    elif k < end and (buf[k] == 43 or buf[k] == 45):   # +02:00, -0500
+        _, digits, k = _number(buf, k + 1, end, 2)
+        if digits != 2:
+            return -1
+        if k < end and buf[k] == 58:
+            k += 1
+        _, digits, k = _number(buf, k, end, 2)
+        if digits != 2:
+            return -1
     else:
         return -1
-    if k < end and buf[k] == 58:
+    if k < end and buf[k] == 58:                       # closed by `: ` on some consoles
         k += 1
-    if k >= end or buf[k] != 32:
-        return -1
-    return k + 1
+    return k + 1 if k < end and buf[k] == 32 else -1
 
 
 @njit(cache=True, nogil=True)
