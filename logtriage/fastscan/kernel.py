@@ -118,6 +118,12 @@ def _srun_label(buf, i, end):
 
 
 @njit(cache=True, nogil=True)
+def _two_digits(buf, k, end):
+    """The index after exactly two digits at k (more may follow), or -1."""
+    return k + 2 if k + 1 < end and _is_digit(buf[k]) and _is_digit(buf[k + 1]) else -1
+
+
+@njit(cache=True, nogil=True)
 def _collector_stamp(buf, i, end):
     """A log collector's RFC 3339 time, `\\d{4}-\\d\\d-\\d\\dT\\d\\d:\\d\\d:\\d\\d(\\.\\d{1,9})?(Z|[+-]\\d\\d:?\\d\\d):? `
     at i (demux prefixes._COLLECTOR_STAMP): the message start after it, or -1."""
@@ -134,13 +140,11 @@ def _collector_stamp(buf, i, end):
     if k < end and buf[k] == 90:                       # Z
         k += 1
     elif k < end and (buf[k] == 43 or buf[k] == 45):   # +02:00, -0500
-        _, digits, k = _number(buf, k + 1, end, 2)
-        if digits != 2:
-            return -1
-        if k < end and buf[k] == 58:
+        k = _two_digits(buf, k + 1, end)
+        if k >= 0 and k < end and buf[k] == 58:
             k += 1
-        _, digits, k = _number(buf, k, end, 2)
-        if digits != 2:
+        k = _two_digits(buf, k, end) if k >= 0 else -1
+        if k < 0:
             return -1
     else:
         return -1
