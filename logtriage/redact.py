@@ -59,12 +59,6 @@ _WEAK_SECRET_NAME = re.compile(r"^(?!.*(?:api|secret|token|pass|private|auth|cre
 _IDENTIFIER_VALUE = re.compile(r"^[A-Za-z_]+(?:\.[A-Za-z_]+)+$")
 # A plain lower-case word is prose, not a secret: `unique_by_key: failed to synchronize` (thrust).
 _WORD_VALUE = re.compile(r"^[a-z]{2,20}$")
-def _names_a_field(name: str, value: str) -> bool:
-    """`'enable_thinking_key': 'enable_thinking'` (a config naming the field its value is read from):
-    the value is the name without its `_key`, so it is a field name, not a secret."""
-    return len(value) >= 3 and name.lower().rsplit("_key", 1)[0].rsplit("-key", 1)[0] == value.lower()
-
-
 _HOST_NAME = r"[A-Za-z0-9][A-Za-z0-9_.\[\]-]*"
 _FQDN_TLDS = ("com|net|org|edu|gov|io|ai|cloud|internal|local|lan|corp|intra|cluster|svc|localdomain|"
               "us|uk|de|fr|jp|cn|kr|ru|eu|ca|au|nl|ch|se|in|sg|tw|hk")
@@ -150,6 +144,12 @@ def token_kind(value: str) -> str | None:
         if m and m.group(0) == value:
             return kind
     return None
+
+
+def _names_a_field(name: str, value: str) -> bool:
+    """`'enable_thinking_key': 'enable_thinking'` (a config naming the field its value is read from):
+    the value is the name without its `_key`, so it is a field name, not a secret."""
+    return len(value) >= 3 and name.lower().rsplit("_key", 1)[0].rsplit("-key", 1)[0] == value.lower()
 
 
 class Redactor:

@@ -68,9 +68,11 @@ def unknown_error_line(scan: ScanResult, keys: list[StreamKey], tail: list[TailL
                        catalog: Catalog) -> RootCause | None:
     """The first line of the log's end (`tail`) that says error in plain words when no rule matched
     anything: the run failed of an error the catalog does not know."""
+    by_source: dict[int, list[TailLine]] = {}
+    for t in tail:
+        by_source.setdefault(t[0], []).append(t)
     line = None
-    for source in sorted({s for s, _, _ in tail}):
-        own = [t for t in tail if t[0] == source]
+    for own in by_source.values():     # log_tail lists the inputs in order
         progress = max((i for i, t in enumerate(own) if STEP.search(t[2])), default=-1)
         line = next((t for t in own[progress + 1:]     # progress after an error: the run went on
                      if _ERROR_LINE.search(t[2]) and not _NOT_ERROR.search(t[2])), None)
