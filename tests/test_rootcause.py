@@ -190,8 +190,9 @@ def test_a_sighup_the_launcher_forwards_is_an_outside_stop(tmp_path):
     rc = triage([str(log)]).to_dict()["root_cause"]
     assert (rc["category"], rc["rule_id"], rc["line"]) == ("external_stop", "launcher.signal_exception", 1)
     log.write_text(line.format(pid=53738, sig="SIGTERM") + line.format(pid=53740, sig="SIGTERM"))
-    rc = triage([str(log)]).to_dict()["root_cause"]
-    assert rc is None or rc["category"] != "external_stop"
+    report = triage([str(log)]).to_dict()   # the launcher's own teardown: no outside stop is read from it
+    assert report["root_cause"]["category"] != "external_stop"
+    assert ("launcher.sigterm_sent", "teardown") in {(c["rule_id"], c["role"]) for c in report["chain"]}
 
 
 def test_a_store_timeout_after_training_started_is_a_peer_late_to_a_collective(tmp_path):
