@@ -86,6 +86,7 @@ class ScanResult:
     block_collectives: dict[int, str] = field(default_factory=dict)   # the c10d call a traceback was in
     block_checkpoint_frames: dict[int, str] = field(default_factory=dict)   # its checkpoint save/load frame
     block_last_frames: dict[int, str] = field(default_factory=dict)   # its innermost frame's function
+    block_broadcast_sources: dict[int, int] = field(default_factory=dict)   # a broadcast's src rank
     block_exception_lines: dict[int, tuple[int, int]] = field(default_factory=dict)  # -> (source, line)
     indexes: list[SourceIndex] = field(default_factory=list)
     input_lines: int = 0
@@ -149,6 +150,7 @@ class LineScanner:
         result.block_collectives.update(assigner.collectives)
         result.block_checkpoint_frames.update(assigner.checkpoint_frames)
         result.block_last_frames.update(assigner.last_frames)
+        result.block_broadcast_sources.update(assigner.broadcast_sources)
         for block_id, line in assigner.exception_lines.items():
             result.block_exception_lines[block_id] = (self.source.index, line)
         result.input_lines += self.lines

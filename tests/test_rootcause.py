@@ -37,6 +37,25 @@ def test_ranks_missing_from_a_timeout_name_one_culprit_only_when_one_is_missing(
 
 
 
+def test_receivers_timed_out_in_a_broadcast_wait_for_its_source(tmp_path):
+    # NVlabs/stylegan3#48 (sample_logs/public35/stylegan3_48_*): rank 1's gloo recv timed out in
+    # `broadcast(param, src=0)` while rank 0 was still building a plugin; no line names a rank
+    def broadcast(src: int) -> str:
+        return ("Traceback (most recent call last):\n"
+                '  File "/w/stylegan3/training/training_loop.py", line 188, in training_loop\n'
+                f"    torch.distributed.broadcast(param, src={src})\n"
+                '  File "/env/lib/site-packages/torch/distributed/distributed_c10d.py", line 868, in broadcast\n'
+                "    work.wait()\n"
+                "RuntimeError: [../third_party/gloo/gloo/transport/uv/unbound_buffer.cc:67] Timed out waiting "
+                "1800000ms for recv operation to complete\n")
+    log = tmp_path / "b.log"
+    log.write_text('Setting up PyTorch plugin "filtered_lrelu_plugin"... ' + broadcast(0))
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["line"]) == ("gloo.timeout", 0, 6)
+    log.write_text(broadcast(0) + broadcast(1))     # two sources: nothing says which one was late
+    assert triage([str(log)]).to_dict()["root_cause"]["rank"] is None
+
+
 def test_a_scheduler_memory_kill_explains_the_stop_signal_before_it(tmp_path):
     # Slurm stops the job (torchrun gets SIGTERM), then slurmstepd says why: the OOM is the root
     log = tmp_path / "s.log"

@@ -62,6 +62,7 @@ class Finding:
     collective: str = ""              # the c10d function that traceback was in (all_reduce, barrier)
     checkpoint_frame: str = ""        # that traceback's checkpoint save/load frame (save_checkpoint)
     last_frame: str = ""              # that traceback's innermost function (where the process was)
+    broadcast_src: int | None = None  # the src rank of the broadcast that traceback was in
 
     @property
     def role(self) -> Role:
@@ -151,7 +152,8 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
                                 hit.block_id, hit.seq, stamp, how, scan.block_exceptions.get(hit.block_id, ""),
                                 scan.block_collectives.get(hit.block_id, ""),
                                 scan.block_checkpoint_frames.get(hit.block_id, ""),
-                                scan.block_last_frames.get(hit.block_id, "")))
+                                scan.block_last_frames.get(hit.block_id, ""),
+                                scan.block_broadcast_sources.get(hit.block_id)))
     findings = _best_per_traceback(findings, scan.block_kinds)
     return attribute_by_signal(findings, failures)
 

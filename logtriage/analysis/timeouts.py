@@ -1,7 +1,8 @@
 """Collective timeouts: which rank the waiting ranks were waiting for.
 
 Timeouts are consequences; the rank they point at is the one missing from them (never joined,
-was late, left), named by a debug report, running another collective, or behind on steps."""
+was late, left), named by a debug report, running another collective, behind on steps, or the
+source of the broadcast the others waited to receive."""
 
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
         return RootCause(first.rule, first, waiters[0], tuple(waiters), 0.55, (
             f"rank(s) {', '.join(map(str, waiters))} waited in a collective that the other ranks never "
             f"called: those finished normally, so the extra collective is on the waiting side",))
+    source = _broadcast_source(timeouts)
+    if source is not None and source not in timed_out and (not missing or source in missing):
+        return RootCause(first.rule, first, source, (source,), 0.5, (
+            f"the waiting rank(s) timed out in broadcast(src={source}): rank {source}, the rank that sends, "
+            "never joined it",))
     if len(missing) == 1:
         only = missing[0]
         went_on = (f" (it had gone on to step {facts.last_step[only]} and failed in a later collective)"
@@ -82,6 +88,13 @@ def _odd_collective(timeouts: list[Finding]) -> int | None:
         return None
     odd = [r for r, name in by_rank.items() if names.count(name) == 1]
     return odd[0] if len(odd) == 1 and len(set(names)) == 2 else None
+
+
+def _broadcast_source(timeouts: list[Finding]) -> int | None:
+    """Every timeout was in a broadcast from one source rank (its call's `src=` in the traceback):
+    the receivers waited for that rank to send."""
+    sources = {f.broadcast_src for f in timeouts}
+    return next(iter(sources)) if len(sources) == 1 else None
 
 
 def _behind(facts: RankFacts, ranks: set[int]) -> int | None:

@@ -23,6 +23,9 @@ _RANK_MARKERS = (
     re.compile(r"^\s*rank\s*(\d{1,9})\s*[:|\]]", re.IGNORECASE),
 )
 _COLLECTIVE_FRAME = re.compile(r'distributed_c10d\.py", line \d+, in (\w+)')
+# the calling code's source line of a broadcast: `dist.broadcast(param, src=0)`,
+# `broadcast_object_list(objs, src=0)` (frames print their source line under the `File` line)
+_BROADCAST_SOURCE = re.compile(r'\bbroadcast\w*\(.*\bsrc\s*=\s*(\d{1,9})\b')
 # a frame that saves or loads a checkpoint: its function's name, or torch's own serialization code
 _CHECKPOINT_FRAME = re.compile(
     r', in (\w*(?:checkpoint|ckpt)\w*|(?:save|load)_(?:model|state_dict|pretrained|weights)\w*)\s*$'
@@ -91,6 +94,7 @@ class Assigner:
         self.collectives: dict[int, str] = {}                   # traceback block id -> c10d function
         self.checkpoint_frames: dict[int, str] = {}             # traceback block id -> checkpoint frame
         self.last_frames: dict[int, str] = {}                   # traceback block id -> innermost function
+        self.broadcast_sources: dict[int, int] = {}             # traceback block id -> broadcast's src rank
         self.exception_lines: dict[int, int] = {}               # traceback block id -> its exception line
 
     # -- public -------------------------------------------------------------------------------
@@ -228,6 +232,10 @@ class Assigner:
             m = _COLLECTIVE_FRAME.search(text)
             if m:
                 block.state["collective"] = m.group(1)
+        if block.kind is B.BlockKind.TRACEBACK and "src" in text and "File " not in text:
+            m = _BROADCAST_SOURCE.search(text)
+            if m:
+                block.state["broadcast_src"] = int(m.group(1))
         if block.kind is B.BlockKind.TRACEBACK and ", in " in text:
             frame = _FRAME.match(text)
             if frame:
@@ -254,6 +262,8 @@ class Assigner:
             self.checkpoint_frames[block.block_id] = block.state["checkpoint"]
         if block.state.get("last_frame"):
             self.last_frames[block.block_id] = block.state["last_frame"]
+        if "broadcast_src" in block.state and block.state.get("collective", "").startswith("broadcast"):
+            self.broadcast_sources[block.block_id] = block.state["broadcast_src"]
         if block.state.get("exception_line"):
             self.exception_lines[block.block_id] = block.state["exception_line"]
         becomes_cfe = L.is_cfe_start(exception)
