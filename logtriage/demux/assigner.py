@@ -33,7 +33,9 @@ _CHECKPOINT_FRAME = re.compile(
 # a traceback's frame line: the innermost one says where the process was (waiting, or working);
 # one with at most 4 spaces before it and no `Traceback (...)` above starts a cut traceback
 _FRAME = re.compile(r'^(\s*)File "[^"\n]+", line \d+, in (\S+)')
-_EXCEPTION_START = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): ")
+# (NCCL's result codes under a DistBackendError, `ncclInternalError: Internal check failed.`, are
+# part of its message, not exceptions)
+_EXCEPTION_START = re.compile(r"^(?!nccl[A-Z])(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): ")
 _ERROR_RECORD = re.compile(r"\b(?:ERROR|CRITICAL|FATAL|Exception|exception)\b")
 _LAUNCHER_FRAME = re.compile(
     r'File "[^"]*(?:bin/torchrun|distributed/run\.py|distributed/launch\.py|launcher/api\.py'

@@ -27,8 +27,9 @@ TRACEBACK_START = re.compile(r"^Traceback \(most recent call last\):\s*$")
 _CHAIN = re.compile(r"^(?:During handling of the above exception, another exception occurred:"
                     r"|The above exception was the direct cause of the following exception:)\s*$")
 # An exception line's head, its type in group 1 (`NameError: name ...`, `torch.OutOfMemoryError: ...`,
-# a bare `MemoryError`): what closes a traceback, also an error file's in a launcher summary.
-EXCEPTION_HEAD = re.compile(r"^((?:[A-Za-z_]\w*\.)*(?:[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)|Exception))(?::|$)")
+# a bare `MemoryError`): what closes a traceback, also an error file's in a launcher summary. NCCL's
+# result codes inside a DistBackendError's message (`ncclInternalError: Internal check failed.`) are not.
+EXCEPTION_HEAD = re.compile(r"^(?!nccl[A-Z])((?:[A-Za-z_]\w*\.)*(?:[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)|Exception))(?::|$)")
 EXCEPTION_LINE = re.compile(r"^(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)(?::(?: (?P<message>.*))?)?$")
 CPP_GLOG = re.compile(r"^\[([IWEF])(\d{3,4}) (\d\d:\d\d:\d\d\.\d{3,9})(?: \d+)? ([^ \]]+):(\d+)\] ")
 _CPP_CONT = re.compile(r"^(?:Exception raised from |frame #\d+: |<omitting python frames>|\s)")
