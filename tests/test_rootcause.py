@@ -56,6 +56,22 @@ def test_receivers_timed_out_in_a_broadcast_wait_for_its_source(tmp_path):
     assert triage([str(log)]).to_dict()["root_cause"]["rank"] is None
 
 
+def test_an_nccl_warning_belongs_to_the_worker_whose_pid_the_launcher_names(tmp_path):
+    # NCCL's `host:pid:tid [dev]` prefix (nvidia/nccl src/debug.cc) with no set-up lines naming the
+    # process's rank: the agent's `failed ... local_rank: 2 (pid: 23458)` does (FORMATS.md §2.2)
+    log = tmp_path / "n.log"
+    log.write_text(
+        "[rank0]: step 10 loss 2.31\n"
+        "node1:23458:23502 [2] include/alloc.h:125 NCCL WARN Cuda failure 'out of memory'\n"
+        "[rank0]:[E1130 10:30:00.000000000 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught collective "
+        "operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) "
+        "ran for 600001 milliseconds before timing out.\n"
+        "E1130 10:31:00.000000 23400 torch/distributed/elastic/multiprocessing/api.py:874] failed (exitcode: 1) "
+        "local_rank: 2 (pid: 23458) of binary: /usr/bin/python3\n")
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["line"]) == ("cuda.oom", 2, 2)
+
+
 def test_a_scheduler_memory_kill_explains_the_stop_signal_before_it(tmp_path):
     # Slurm stops the job (torchrun gets SIGTERM), then slurmstepd says why: the OOM is the root
     log = tmp_path / "s.log"
