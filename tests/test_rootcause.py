@@ -72,6 +72,29 @@ def test_an_nccl_warning_belongs_to_the_worker_whose_pid_the_launcher_names(tmp_
     assert (rc["rule_id"], rc["rank"], rc["line"]) == ("cuda.oom", 2, 2)
 
 
+def test_cudas_initialization_error_in_a_dataloader_worker_is_cuda_after_fork(tmp_path):
+    # torch/_utils.py ExceptionWrapper's re-raise; the cause as in pytorch/pytorch#2517 (a Dataset
+    # that moves samples to the GPU, workers forked from a process that had initialised CUDA)
+    worker = ("[rank1]: Traceback (most recent call last):\n"
+              '[rank1]:   File "/w/train.py", line 120, in <module>\n'
+              "[rank1]:     for batch in loader:\n"
+              '[rank1]:   File "/env/torch/_utils.py", line 706, in reraise\n'
+              "[rank1]:     raise exception\n"
+              "[rank1]: RuntimeError: Caught RuntimeError in DataLoader worker process 0.\n"
+              "[rank1]: Original Traceback (most recent call last):\n"
+              '[rank1]:   File "/env/torch/utils/data/_utils/worker.py", line 309, in _worker_loop\n'
+              "[rank1]:     data = fetcher.fetch(index)\n"
+              '[rank1]:   File "/w/data.py", line 44, in __getitem__\n'
+              "[rank1]:     img = torch.from_numpy(arr).cuda()\n"
+              "[rank1]: RuntimeError: CUDA error: initialization error\n")
+    log = tmp_path / "w.log"
+    log.write_text(worker)
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == ("cuda.forked_subprocess", "launch_usage", 1, 12)
+    log.write_text(worker.split("[rank1]: RuntimeError: Caught")[0] + "[rank1]: RuntimeError: CUDA error: initialization error\n")
+    assert triage([str(log)]).to_dict()["root_cause"]["category"] == "environment"   # the process's own CUDA
+
+
 def test_a_scheduler_memory_kill_explains_the_stop_signal_before_it(tmp_path):
     # Slurm stops the job (torchrun gets SIGTERM), then slurmstepd says why: the OOM is the root
     log = tmp_path / "s.log"

@@ -1,7 +1,7 @@
 """Second readings of a root that is an exception: what the frame that raised it says (a
 file-system error in a checkpoint's save or load is that checkpoint's failure; a division by zero
 in OpenMMLab's init_dist is "no GPU visible"; a spawn child's EOFError is its parent's pickling
-failure), and what a worker's error file in the launcher's summary says when nothing else does."""
+failure; a DataLoader worker's CUDA initialization error is CUDA after fork), and what a worker's error file in the launcher's summary says when nothing else does."""
 
 from __future__ import annotations
 
@@ -48,6 +48,9 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
 GPU_COUNT_FRAMES = frozenset({"_init_dist_pytorch", "_init_dist_slurm", "_init_dist_mpi", "init_dist"})
 # multiprocessing's spawn child unpickles what its parent sent; an empty pipe means the parent failed
 SPAWN_CHILD_FRAME = "_main"
+# a DataLoader worker's exception, re-raised by the main process (`Caught RuntimeError in DataLoader
+# worker process 0.`): workers are forked by default on Linux
+_LOADER_WORKER = re.compile(r"\bin DataLoader worker process \d+")
 # a full or over-quota file system, as any writer reports it (torch.save's own words name the save)
 _DISK_FULL = re.compile(r"No space left on device|Disk quota exceeded")
 
@@ -56,7 +59,8 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
     """An exception whose meaning is in the frame that raised it: a ZeroDivisionError in
     OpenMMLab's init_dist is "no GPU visible"; an `EOFError: Ran out of input` in a spawn child's
     `_main` is the parent failing to send the process's state (a pickling error), not a truncated
-    checkpoint; a full disk with no checkpoint frame is the file system's, not a checkpoint's."""
+    checkpoint; a full disk with no checkpoint frame is the file system's, not a checkpoint's; CUDA's
+`initialization error` in a DataLoader worker is CUDA used in a forked child."""
     f = root.finding
     if f is None:
         return root
@@ -69,6 +73,11 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
         rule, why = catalog.get("python.exception"), (
             "the EOFError is raised in multiprocessing's spawn `_main`, where a child unpickles what its parent "
             "sent: the parent failed to pickle the process's arguments (a lambda, a local class, an open file)")
+    elif (root.rule.id in ("cuda.driver_unusable", "cuda.error") and "initialization error" in f.text
+          and _LOADER_WORKER.search(f.block_exception)):
+        rule, why = catalog.get("cuda.forked_subprocess"), (
+            "CUDA's initialization error was raised in a DataLoader worker: workers are forked from a process "
+            "that had already initialised CUDA, and a forked child cannot use it")
     elif root.rule.id == "ckpt.write_failed" and f.last_frame and not f.checkpoint_frame and _DISK_FULL.search(f.text):
         rule, why = catalog.get("host.filesystem_error"), (
             f"the disk filled up in `{f.last_frame}`, outside any checkpoint code (no save frame): another "
