@@ -103,6 +103,19 @@ def test_a_collector_stamp_closed_by_a_colon_is_stripped_before_the_mpi_tag():
     assert (second.text, second.rank) == ("OSError: Caught OSError in DataLoader worker process 3.", 0)
 
 
+def test_a_ci_consoles_clock_on_every_line_is_stripped():
+    # CircleCI as pasted in pytorch/pytorch#48500 (sample_logs/public38/pytorch48500_*), syslog alike
+    lines = ["Nov 26 23:08:31 Traceback (most recent call last):",
+             'Nov 26 23:08:31   File "common_distributed.py", line 278, in wrapper',
+             "Nov  6 23:08:31 [rank1]: AssertionError: False is not true : Expected zero exit code but got -11"]
+    dialect = Dialect.detect(lines)
+    assert dialect.clock_stamped and not dialect.stamped
+    assert strip_prefixes(lines[0], dialect).text == "Traceback (most recent call last):"
+    third = strip_prefixes(lines[2], dialect)
+    assert (third.text, third.rank) == ("AssertionError: False is not true : Expected zero exit code but got -11", 1)
+    assert not Dialect.detect(["Nov 26 23:08:31 started", "plain line", "another"]).clock_stamped
+
+
 def test_a_paste_indented_as_a_code_block_is_read_without_its_indent():
     # sample_logs/public16/dgl7426_*: every line of the paste starts with four spaces
     sample = ["    Traceback (most recent call last):",

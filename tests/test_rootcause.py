@@ -95,6 +95,39 @@ def test_cudas_initialization_error_in_a_dataloader_worker_is_cuda_after_fork(tm
     assert triage([str(log)]).to_dict()["root_cause"]["category"] == "environment"   # the process's own CUDA
 
 
+def test_a_json_decode_error_is_a_banner_before_a_probe_only_where_the_log_shows_a_banner(tmp_path):
+    # error manual E007 (shared/seeds/000_*: an NGC banner in front of the probe's JSON) against
+    # FasterDecoding/Medusa#12 (sample_logs/public38/medusa12_*: a dataset that was a git-lfs pointer)
+    error = ('Traceback (most recent call last):\n  File "/w/train.py", line 17, in make_data\n'
+             '    train_json = json.load(open(data_args.data_path, "r"))\n'
+             "json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)\n")
+    log = tmp_path / "j.log"
+    log.write_text(error)
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["line"]) == ("python.exception", "python_exception", 4)
+    log.write_text("==========\n== PyTorch ==\n==========\n\nNVIDIA Release 24.01 (build 80741402)\n" + error)
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["line"]) == ("env.probe_json", "environment", 9)
+
+
+def test_an_error_the_program_fell_back_from_is_not_the_root(tmp_path):
+    # a DeepSpeed run's log (sample_logs/public37/madeline_*): FusedAdam's ninja build failed,
+    # DeepSpeed fell back to torch's Adam, and the run died later of a CUDA OOM
+    build = ("ninja: build stopped: subcommand failed.\n"
+             "), falling back to torch.optim.AdamW / torch.optim.Adam.\n")
+    oom = ("[rank1]: Traceback (most recent call last):\n"
+           '[rank1]:   File "/w/train.py", line 90, in <module>\n'
+           "[rank1]:     model_engine.step()\n"
+           "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.44 GiB. GPU 1 has a total "
+           "capacity of 10.75 GiB of which 748.75 MiB is free.\n")
+    log = tmp_path / "f.log"
+    log.write_text(build + "[Rank 0] step 1 loss 3.2\n" + oom)
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["line"]) == ("cuda.oom", 1, 7)
+    log.write_text(build)   # nothing else failed: the build failure is all there is
+    assert triage([str(log)]).to_dict()["root_cause"]["rule_id"] == "env.build_ext_failed"
+
+
 def test_a_scheduler_memory_kill_explains_the_stop_signal_before_it(tmp_path):
     # Slurm stops the job (torchrun gets SIGTERM), then slurmstepd says why: the OOM is the root
     log = tmp_path / "s.log"

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from logtriage.analysis.childfailed import ChildFailure, is_killed, is_own_failure, parse_child_failures
 from logtriage.analysis.environment import Environment, collect_environment
-from logtriage.analysis.exceptions import checkpoint_io, error_file_exception, frame_reading
+from logtriage.analysis.exceptions import (checkpoint_io, error_file_exception, frame_reading,
+                                           probe_json_without_banner)
 from logtriage.analysis.findings import Finding, resolve_findings
 from logtriage.analysis.hangs import (
     fallback_rule,
@@ -79,6 +80,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = sigkill_on_gpu_job(root, catalog)
     if root is not None:
         root = abort_after_dump_signal(checkpoint_io(frame_reading(root, catalog), catalog), findings)
+        root = probe_json_without_banner(root, bool(scan.banner_lines), catalog)
         root = different_collectives_at_one_seq(root, findings, catalog)
         root = store_wait_after_progress(root, findings, facts, _first_progress(stream_stats), catalog)
     if root is None:

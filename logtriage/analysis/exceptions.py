@@ -1,7 +1,8 @@
 """Second readings of a root that is an exception: what the frame that raised it says (a
 file-system error in a checkpoint's save or load is that checkpoint's failure; a division by zero
 in OpenMMLab's init_dist is "no GPU visible"; a spawn child's EOFError is its parent's pickling
-failure; a DataLoader worker's CUDA initialization error is CUDA after fork), and what a worker's error file in the launcher's summary says when nothing else does."""
+failure; a DataLoader worker's CUDA initialization error is CUDA after fork; a JSONDecodeError is a
+banner in front of a probe's output only where there is a banner), and what a worker's error file in the launcher's summary says when nothing else does."""
 
 from __future__ import annotations
 
@@ -85,6 +86,23 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
     else:
         return root
     return root if rule is None else replace(root, rule=rule, reasons=root.reasons + (why,))
+
+
+PROBE_JSON_RULE = "env.probe_json"
+
+
+def probe_json_without_banner(root: RootCause, has_banner: bool, catalog: Catalog) -> RootCause:
+    """A JSONDecodeError is the error manual's E007 (a container banner printed in front of a
+    probe's JSON) only where the log shows a banner; elsewhere the program failed to parse its
+    own input (a dataset or config file that is empty, a git-lfs pointer, HTML), an exception like
+    any other."""
+    f = root.finding
+    if root.rule.id != PROBE_JSON_RULE or has_banner or f is None or "JSONDecodeError" not in f.text:
+        return root
+    rule = catalog.get("python.exception")
+    return root if rule is None else replace(root, rule=rule, confidence=min(root.confidence, 0.6), reasons=(
+        *root.reasons, "no container banner in this log: the text that failed to parse as JSON is the "
+        "program's own input (a data or config file), not an environment probe's output"))
 
 
 def error_file_exception(root: RootCause, failures: list[ChildFailure], catalog: Catalog) -> RootCause:

@@ -21,8 +21,13 @@ from logtriage.demux.streams import StreamKind
 from logtriage.scan import STEP
 
 
+# a line saying the program carried on with a substitute ("falling back to torch.optim.AdamW")
+FALLBACK_RULE = "context.fallback"
+FALLBACK_REACH = 3   # input lines after an error within which such a line is its recovery
+
+
 def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
-    live = [f for f in findings if f.is_error and not f.is_teardown]
+    live = _not_recovered([f for f in findings if f.is_error and not f.is_teardown], findings)
     roots = [f for f in live if f.role is Role.ROOT_CANDIDATE]
     if roots:
         return _group_root(roots, live, facts, 0.9)
@@ -49,6 +54,17 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
         return RootCause(first.rule, first, first.rank, ranks, 0.3,
                          ("only consequences were found; the initiating error is not in this log",))
     return None
+
+
+def _not_recovered(live: list[Finding], findings: list[Finding]) -> list[Finding]:
+    """Errors the program recovered from (a failed optional build followed by "falling back to
+    ...") did not end the run, unless nothing else went wrong."""
+    marks = [(f.source, f.line) for f in findings if f.rule.id == FALLBACK_RULE]
+    if not marks:
+        return live
+    kept = [f for f in live if not any(source == f.source and 0 <= line - f.line <= FALLBACK_REACH
+                                       for source, line in marks)]
+    return kept or live
 
 
 def warning_root(findings: list[Finding]) -> RootCause | None:
