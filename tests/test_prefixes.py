@@ -114,6 +114,23 @@ def test_a_ci_consoles_clock_on_every_line_is_stripped():
     third = strip_prefixes(lines[2], dialect)
     assert (third.text, third.rank) == ("AssertionError: False is not true : Expected zero exit code but got -11", 1)
     assert not Dialect.detect(["Nov 26 23:08:31 started", "plain line", "another"]).clock_stamped
+    kaggle = ["704.7s\t1290\tTraceback (most recent call last):", "704.7s\t1295\tRuntimeError: x", "705.1s\t1296\tdone"]
+    assert Dialect.detect(kaggle).clock_stamped   # a Kaggle notebook's log (sample_logs/public37/f5tts_kaggle_*)
+    assert strip_prefixes(kaggle[1], Dialect.detect(kaggle)).text == "RuntimeError: x"
+
+
+def test_a_pytest_failure_reports_e_prefix_is_stripped_keeping_the_indent_under_it():
+    # nv-morpheus/Morpheus#1021 (sample_logs/public39/morpheus_1021_*): spawn's error under pytest
+    lines = ["E       torch.multiprocessing.spawn.ProcessRaisedException: ",
+             "E       -- Process 0 terminated with the following error:",
+             "E       Traceback (most recent call last):",
+             'E         File "multiprocessing.py", line 30, in _wrap',
+             "E       AssertionError"]
+    dialect = Dialect.detect(lines)
+    assert dialect.pytest
+    assert [strip_prefixes(line, dialect).text for line in lines[2:]] == [
+        "Traceback (most recent call last):", '  File "multiprocessing.py", line 30, in _wrap', "AssertionError"]
+    assert not Dialect.detect(["E0424 01:11:21.160832 1 x.cpp:1] error", "plain"]).pytest
 
 
 def test_a_paste_indented_as_a_code_block_is_read_without_its_indent():

@@ -25,6 +25,7 @@ from logtriage.analysis.refine import (
     different_collectives_at_one_seq,
     exit_rule,
     hangup_forwarded,
+    teardown_only,
     peer_that_left,
     sigkill_on_gpu_job,
     stop_for_memory,
@@ -95,6 +96,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = error_file_exception(root, failures, catalog)
     if root is None:
         root = _cut_traceback(scan, keys, catalog)
+    if root is None:
+        root = teardown_only(findings)
     if root is not None:
         root = stopped_while_waiting(root, findings, _interrupted_frames(scan), catalog)
     verdict = Verdict.FAILED if root is not None else Verdict.OK

@@ -42,6 +42,8 @@ _RAISE_LINE = re.compile(r"^\s+raise\b")
 _WORKER_FIELDS = frozenset({"local_rank", "pid", "process", "task"})
 _INFO_LINE = re.compile(r"^\[?I\d{3,4} \d\d:\d\d:\d\d")
 _MASK = re.compile(r"0x[0-9a-fA-F]+|\d+")
+# pytest's short test summary: `FAILED tests/test_x.py::test_y - RuntimeError: ...`
+_PYTEST_SUMMARY = re.compile(r"^(?:FAILED|ERROR) \S+::\S+(?: \[[^\]]*\])? - ")
 _VLLM_LOGGER = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d [\w.-]+\.py:\d+\] ")
 
 
@@ -102,12 +104,13 @@ def exception_type_of(text: str) -> str | None:
     """`torch.OutOfMemoryError` of `torch.OutOfMemoryError: CUDA out of memory...`, else None;
     also after Markdown emphasis (`**OSError: ...**`), the agent's glog header (`E0422 05:07:49.013000
     204 .../api.py:732] RuntimeError: ...`) or vLLM's logger header (`ERROR 10-14 12:32:47
-    multiproc_worker_utils.py:233] torch.OutOfMemoryError: ...`)."""
+    multiproc_worker_utils.py:233] torch.OutOfMemoryError: ...`) or in pytest's short summary
+    (`FAILED tests/test_x.py::test_y - RuntimeError: ...`)."""
     glog = PY_GLOG.match(text)
     if glog:
         text = glog.group(7)
     else:
-        logger = _VLLM_LOGGER.match(text)
+        logger = _VLLM_LOGGER.match(text) or _PYTEST_SUMMARY.match(text)
         text = text[logger.end():] if logger else text
     m = EXCEPTION_HEAD.match(text.lstrip("*_`"))
     return m.group(1) if m else None

@@ -90,6 +90,19 @@ def hangup_forwarded(findings: list[Finding], catalog: Catalog) -> RootCause | N
         "terminal or SSH session went away, and no worker had failed before",))
 
 
+def teardown_only(findings: list[Finding]) -> RootCause | None:
+    """The launcher stopping its workers (torchrun's SIGTERMs, the legacy and DeepSpeed launchers'
+    `Killing subprocess N`) with no error anywhere: it does that after a worker failed, so the run
+    failed, and the failure itself is not in this log (a cut paste, a worker that printed nothing)."""
+    sent = next((f for f in findings if f.rule.id == TEARDOWN_RULE
+                 and f.captures.get("signal", "SIGTERM") in ("SIGTERM", "SIGKILL")), None)
+    if sent is None:
+        return None
+    return RootCause(sent.rule, sent, None, (), 0.3, (
+        "the launcher stopped its workers, which it does after one of them failed; no error of that worker "
+        "is in this log",))
+
+
 STORE_TIMEOUT_RULES = frozenset({"dist.store_wait_timeout", "dist.store_connect_timeout"})
 STORE_WAIT_IN_COLLECTIVE = "dist.store_wait_in_collective"
 

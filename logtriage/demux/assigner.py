@@ -130,7 +130,12 @@ class Assigner:
             block.state["line_prefixed"] = explicit_slot is not None
             if same_owner and not summary_line and B.continues(block.kind, text, block.state):
                 self._watch_block_line(block, text)
-                return self._part(block.slot, text, block.block_id)
+                part = self._part(block.slot, text, block.block_id)
+                child = L.HARNESS_CHILD.match(text) if block.kind is B.BlockKind.TRACEBACK else None
+                if child:   # what follows is that process's own exception
+                    self._close_block()
+                    self.spawn_rank = int(child.group(1))
+                return part
             self._close_block()
             if self.block is not None:  # a traceback that turned into a ChildFailedError block
                 if B.continues(self.block.kind, text, self.block.state):

@@ -40,6 +40,9 @@ TERMINATING = re.compile(r"Terminating process (\d{1,12}) via signal (SIG\w+)")
 CFE_RANK = re.compile(r"^\s*rank\s*: (\d{1,12}) \(local_rank: (\d{1,12})\)")
 CFE_EXIT = re.compile(r"^\s*exitcode\s*: (-?\d{1,12}) \(pid: (\d{1,12})\)(?:\s+\((SIG\w+)\))?")
 SPAWN_CHILD = re.compile(r"^-- Process (\d{1,12}) terminated with the following error:")
+# PyTorch's multi-process test harness ends its own exception with the child's: `RuntimeError:
+# Process 0 exited with error code 10 and exception:` and the child's exception on the next line
+HARNESS_CHILD = re.compile(r"^(?:\w+Error: )?Process (\d{1,12}) exited with error code \d{1,4} and exception:$")
 RESTART = re.compile(r"restart_count=(\d+)|will restart worker group|Worker group FAILED\. \d+/\d+ attempts left")
 # Lines of a ChildFailedError summary, recognisable even when a paste starts in its middle.
 CFE_FIELD = re.compile(r"^(?:\[\d+\]:\s*$|  (?:time|host|rank|exitcode|error_file|traceback)\s*: |"

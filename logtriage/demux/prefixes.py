@@ -4,7 +4,10 @@
     collector stamp     `2023-05-26T16:48:07.093268664Z ` or `...Z: `  (docker logs -t, kubectl logs
                                                    --timestamps, job-service consoles;
                                                    only when the log uses it widely)
-                        `Nov 26 23:08:31 `        (a CI console's or syslog's clock, no year; likewise)
+                        `Nov 26 23:08:31 `        (a CI console's or syslog's clock, no year, or a Kaggle
+                        `704.7s<TAB>1290<TAB>`     notebook log's time and line; likewise)
+    pytest report       `E       `                (the failure text of a test, `--tb=long`; `E   ` short;
+                                                   when the log shows it on two lines or more)
     srun --label        `3: `                     (the task: a rank, or a node when each task runs torchrun;
                                                    only when the log uses it widely)
     OpenMPI tag-output  `[1,3]<stdout>:`          (global rank)
@@ -30,7 +33,11 @@ from typing import Iterable
 
 _SRUN = re.compile(r"^ {0,6}(\d{1,7}): ")
 _COLLECTOR_STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:Z|[+-]\d\d:?\d\d):? ")
-_CLOCK_STAMP = re.compile(r"^(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) [ \d]\d \d\d:\d\d:\d\d(?:\.\d{1,9})? ")
+# a CI console's or syslog's clock (`Nov 26 23:08:31 `), or a Kaggle notebook log's elapsed time and
+# line number (`704.7s\t1290\t`)
+_CLOCK_STAMP = re.compile(r"^(?:(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) [ \d]\d \d\d:\d\d:\d\d(?:\.\d{1,9})? "
+                          r"|\d{1,7}\.\d{1,3}s\t\d{1,9}\t)")
+_PYTEST_E = re.compile(r"^E {3}(?: {4})?")
 _MPI = re.compile(r"^\[(\d{1,9}),(\d{1,12})\]<(?:stdout|stderr|stddiag)>: ?")
 _HOST = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62}): ")
 _RAY = re.compile(r"^\((?:[A-Za-z_][\w.-]{0,60} |[\w.-]{1,60}, rank=(\d{1,9}), )?pid=\d{1,9}(?:, ip=[0-9A-Fa-f.:]{3,45})?\) ")
@@ -57,7 +64,8 @@ class Dialect:
     """Which ambiguous prefix conventions this log uses, decided from a sample of its lines."""
     srun: bool = False
     stamped: bool = False      # every line starts with the log collector's RFC 3339 time
-    clock_stamped: bool = False  # every line starts with a month, day and clock (`Nov 26 23:08:31 `)
+    clock_stamped: bool = False  # every line starts with a clock (`Nov 26 23:08:31 `, Kaggle's `704.7s\t1290\t`)
+    pytest: bool = False       # a pytest failure report: the exception's lines start with `E   `
     srun_nodes: bool = False   # srun tasks are nodes (one torchrun each), not ranks
     hosts: frozenset[str] = field(default_factory=frozenset)
     indent: int = 0            # spaces in front of every line: a paste indented as a code block
@@ -77,6 +85,7 @@ class Dialect:
         clock_stamped = not stamped and sum(1 for line in lines if _CLOCK_STAMP.match(line)) * 3 >= len(lines) * 2
         if clock_stamped:
             lines = [_CLOCK_STAMP.sub("", line, count=1) for line in lines]
+        pytest = sum(1 for line in lines if _PYTEST_E.match(line)) >= 2
         srun_hits = sum(1 for line in lines if _SRUN.match(line))
         hosts = Counter()
         for line in lines:
@@ -95,7 +104,7 @@ class Dialect:
             # too few lines for the floor, but the convention is plain
             chosen |= frozenset(named)
         srun = srun_hits * 3 >= len(lines) and srun_hits >= 3
-        return cls(srun=srun, stamped=stamped, clock_stamped=clock_stamped, hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines),
+        return cls(srun=srun, stamped=stamped, clock_stamped=clock_stamped, pytest=pytest, hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines),
                    indent=indent)
 
 
@@ -135,7 +144,7 @@ def _line_labels(line: str, dialect: Dialect) -> tuple[str, list[tuple[str, re.M
         text = text[dialect.indent:]
         labels.append(("indent", None))
     for layer, pattern, used in (("stamp", _COLLECTOR_STAMP, dialect.stamped), ("stamp", _CLOCK_STAMP, dialect.clock_stamped),
-                                 ("srun", _SRUN, dialect.srun),
+                                 ("pytest", _PYTEST_E, dialect.pytest), ("srun", _SRUN, dialect.srun),
                                  ("mpi", _MPI, True), ("host", _HOST, bool(dialect.hosts))):
         m = pattern.match(text) if used else None
         if m and (layer != "host" or m.group(1) in dialect.hosts):
