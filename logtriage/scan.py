@@ -96,6 +96,7 @@ class ScanResult:
     skipped_hits: int = 0
     world_size: int | None = None
     cpu_backend: bool = False        # the log names gloo or a CPU build of torch: a CPU job
+    multi_node: bool = False         # lines carry node labels (pdsh hosts, srun tasks that are nodes)
     seq: int = 0                                           # parts seen so far (global input order)
     per_rule_slot: dict[tuple[str, int], int] = field(default_factory=dict)
 
@@ -113,6 +114,7 @@ class LineScanner:
     def __init__(self, result: ScanResult, source: Source, index: SourceIndex, matcher: Matcher, dialect: Dialect):
         self.result, self.source, self.index, self.matcher = result, source, index, matcher
         self.assigner = Assigner(result.slots, result.facts, dialect, source.rank_hint, source.attempt_hint)
+        result.multi_node = result.multi_node or bool(dialect.hosts) or dialect.srun_nodes
         self.launcher_slot = result.slots.fixed(StreamKind.LAUNCHER)
         self.probe_slot = result.slots.fixed(StreamKind.PROBE)
         self.banner_slot = result.slots.fixed(StreamKind.BANNER)

@@ -161,6 +161,45 @@ def test_pytorchs_test_harness_reports_belong_to_the_process_they_name(tmp_path)
     assert (rc["rule_id"], rc["exception_type"]) == ("nccl.internal_error", "torch.distributed.DistBackendError")
 
 
+def test_losing_the_store_while_fetching_nccls_id_points_at_rank_0(tmp_path):
+    # Blealtan/RWKV-LM-LoRA#12 (sample_logs/public41/rwkvlmlora_12_*): the only line is rank 1's
+    line = ("RuntimeError: [1] is setting up NCCL communicator and retrieving ncclUniqueId from [0] via c10d key-value "
+            "store by key '0', but store->get('0') got error: {reason}.  This may indicate a possible application "
+            "crash on rank 0 or a network set up issue.\n")
+    log = tmp_path / "u.log"
+    log.write_text(line.format(reason="Connection reset by peer"))
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["category"], rc["rank"], rc["line"]) == ("unknown", 0, 1)
+    log.write_text(line.format(reason="wait timeout after 600000ms"))   # rank 0 was late, not gone
+    assert triage([str(log)]).to_dict()["root_cause"]["rule_id"] != "signal.exit_nonzero"
+
+
+def test_an_oom_on_gpu_k_with_no_rank_named_is_local_rank_k_but_gpu_0_says_nothing(tmp_path):
+    # Lightning-AI/litgpt#191 (sample_logs/public41/litgpt_191_*): Fabric puts local rank k on cuda:k
+    line = ("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 792.00 MiB. GPU {k} has a total "
+            "capacty of 31.74 GiB of which 573.12 MiB is free.\n")
+    log = tmp_path / "o.log"
+    log.write_text(line.format(k=6))
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["rank"]) == ("cuda.oom", 6)
+    log.write_text(line.format(k=0))     # every Ray actor's device is GPU 0
+    assert triage([str(log)]).to_dict()["root_cause"]["rank"] is None
+    log.write_text("".join(f"node0{n}: " + line.format(k=6) for n in (1, 2, 3)))   # pdsh nodes: 6 is local
+    assert triage([str(log)]).to_dict()["root_cause"]["rank"] is None
+
+
+def test_two_processes_on_one_gpu_in_nccls_summaries_is_a_device_assignment(tmp_path):
+    # amazon-science/polygon-transformer#29 (sample_logs/public41/polygontransformer_29_*)
+    summary = "host:{pid}:{pid} [0] NCCL INFO comm 0x55dd{pid} rank {rank} nranks 2 cudaDev 0 busId {bus} - Abort COMPLETE\n"
+    cut = 'Traceback (most recent call last):\n  File "train.py", line 9, in <module>\n'
+    log = tmp_path / "g.log"
+    log.write_text(summary.format(pid=3639, rank=0, bus="19000") + summary.format(pid=3640, rank=1, bus="19000") + cut)
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["ranks"], rc["line"]) == ("nccl.duplicate_gpu", "device_assignment", [0, 1], 1)
+    log.write_text(summary.format(pid=3639, rank=0, bus="19000") + summary.format(pid=3640, rank=1, bus="1a000") + cut)
+    assert triage([str(log)]).to_dict()["root_cause"]["category"] != "device_assignment"   # two GPUs
+
+
 def test_a_scheduler_memory_kill_explains_the_stop_signal_before_it(tmp_path):
     # Slurm stops the job (torchrun gets SIGTERM), then slurmstepd says why: the OOM is the root
     log = tmp_path / "s.log"

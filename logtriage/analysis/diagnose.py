@@ -17,7 +17,7 @@ from logtriage.analysis.hangs import (
     waiting,
     world_incomplete,
 )
-from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid
+from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid, shared_gpu
 from logtriage.analysis.refine import (
     PEER_LEFT_RULES,
     STOPPED_WHILE_WAITING,
@@ -25,7 +25,9 @@ from logtriage.analysis.refine import (
     different_collectives_at_one_seq,
     exit_rule,
     hangup_forwarded,
+    oom_device_rank,
     teardown_only,
+    unique_id_host_left,
     peer_that_left,
     sigkill_on_gpu_job,
     stop_for_memory,
@@ -75,6 +77,10 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     root = choose_root(findings, facts)
     if root is not None and root.rule.id in PEER_LEFT_RULES:
         root = peer_that_left(root, findings, facts, catalog)
+    if root is not None and root.rule.role is Role.CASCADE_CANDIDATE:
+        root = unique_id_host_left(root, catalog)
+    if root is not None:
+        root = oom_device_rank(root, scan.multi_node or any(k.host for k in keys))
     if root is not None and root.rule.category is Category.EXTERNAL_STOP:
         root = stop_for_memory(root, findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
@@ -98,6 +104,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = _cut_traceback(scan, keys, catalog)
     if root is None:
         root = teardown_only(findings)
+    root = shared_gpu(root, findings, catalog)
     if root is not None:
         root = stopped_while_waiting(root, findings, _interrupted_frames(scan), catalog)
     verdict = Verdict.FAILED if root is not None else Verdict.OK

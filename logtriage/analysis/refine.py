@@ -42,6 +42,44 @@ def peer_that_left(root: RootCause, findings: list[Finding], facts: RankFacts, c
         f"closing ({root.rule.id}): rank {peer} left first, without a message",))
 
 
+OOM_RULE = "cuda.oom"
+
+
+def oom_device_rank(root: RootCause, multi_node: bool) -> RootCause:
+    """A CUDA OOM that no line ties to a rank, in a one-node job: torchrun, accelerate, DeepSpeed and
+    Lightning put local rank k on `cuda:k`, so "GPU k" (k > 0) in the message names local rank k.
+    GPU 0 says nothing: it is every process's device where each has a GPU of its own (Ray actors,
+    a scheduler binding one GPU per task), and a single process's."""
+    f = root.finding
+    if root.rule.id != OOM_RULE or root.rank is not None or root.ranks or f is None or multi_node:
+        return root
+    device = int(f.captures["device"]) if f.captures.get("device", "").isdigit() else 0
+    if device == 0:
+        return root
+    return replace(root, rank=device, ranks=(device,), confidence=min(root.confidence, 0.5), reasons=root.reasons + (
+        f"no line names the rank; the message's GPU {device} is local rank {device}'s device where the launcher "
+        f"sets each rank's device to its local rank (torchrun, accelerate, DeepSpeed, Lightning)",))
+
+
+UNIQUE_ID_STORE_RULE = "nccl.unique_id_store"
+# the store's connection went away (not a wait that timed out: that rank was late, not gone)
+_STORE_LOST = ("Connection reset by peer", "Broken pipe", "Failed to recv", "failed to recv")
+
+
+def unique_id_host_left(root: RootCause, catalog: Catalog) -> RootCause:
+    """Only consequences, the first a rank losing the store while fetching NCCL's unique id from
+    rank 0 (`store->get('0') got error: Connection reset by peer`): rank 0, which publishes the id
+    and here hosts the store, went away before its peers read it, without a message in this log."""
+    f = root.finding
+    if root.rule.id != UNIQUE_ID_STORE_RULE or f is None or not f.captures.get("peer", "").isdigit() \
+            or not any(s in f.captures.get("reason", "") for s in _STORE_LOST):
+        return root
+    peer = int(f.captures["peer"])
+    return RootCause(exit_rule(catalog), f, peer, (peer,), 0.35, (
+        f"rank {f.rank if f.rank is not None else '?'} lost the store while fetching NCCL's unique id from rank "
+        f"{peer} ({f.captures['reason']}): rank {peer} went away first, and its own error is not in this log",))
+
+
 def exit_rule(catalog: Catalog) -> Rule:
     return catalog.get("signal.exit_nonzero") or fallback_rule(
         "signal.exit_nonzero", Category.UNKNOWN, "A worker exited with an error code and left no message")
