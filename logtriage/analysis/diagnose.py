@@ -26,13 +26,13 @@ from logtriage.analysis.refine import (
     exit_rule,
     hangup_forwarded,
     oom_device_rank,
-    teardown_only,
-    unique_id_host_left,
     peer_that_left,
     sigkill_on_gpu_job,
     stop_for_memory,
     stopped_while_waiting,
     store_wait_after_progress,
+    teardown_only,
+    unique_id_host_left,
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
 from logtriage.analysis.stopped import log_tail, message_of, output_stopped, unknown_error_line
