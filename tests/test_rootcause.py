@@ -174,7 +174,7 @@ def test_losing_the_store_while_fetching_nccls_id_points_at_rank_0(tmp_path):
     assert triage([str(log)]).to_dict()["root_cause"]["rule_id"] != "signal.exit_nonzero"
 
 
-def test_an_oom_on_gpu_k_with_no_rank_named_is_local_rank_k_but_gpu_0_says_nothing(tmp_path):
+def test_an_oom_on_gpu_k_with_no_rank_named_is_local_rank_k_except_under_ray(tmp_path):
     # Lightning-AI/litgpt#191 (sample_logs/public41/litgpt_191_*): Fabric puts local rank k on cuda:k
     line = ("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 792.00 MiB. GPU {k} has a total "
             "capacty of 31.74 GiB of which 573.12 MiB is free.\n")
@@ -182,7 +182,9 @@ def test_an_oom_on_gpu_k_with_no_rank_named_is_local_rank_k_but_gpu_0_says_nothi
     log.write_text(line.format(k=6))
     rc = triage([str(log)]).to_dict()["root_cause"]
     assert (rc["rule_id"], rc["rank"]) == ("cuda.oom", 6)
-    log.write_text(line.format(k=0))     # every Ray actor's device is GPU 0
+    log.write_text(line.format(k=0))
+    assert triage([str(log)]).to_dict()["root_cause"]["rank"] == 0
+    log.write_text("(RayTrainWorker pid=1234, ip=10.0.0.5) " + line.format(k=0))   # each Ray worker's GPU is 0
     assert triage([str(log)]).to_dict()["root_cause"]["rank"] is None
     log.write_text("".join(f"node0{n}: " + line.format(k=6) for n in (1, 2, 3)))   # pdsh nodes: 6 is local
     assert triage([str(log)]).to_dict()["root_cause"]["rank"] is None

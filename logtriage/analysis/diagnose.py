@@ -80,7 +80,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is not None and root.rule.role is Role.CASCADE_CANDIDATE:
         root = unique_id_host_left(root, catalog)
     if root is not None:
-        root = oom_device_rank(root, scan.multi_node or any(k.host for k in keys))
+        ray = scan.facts.ray_workers or any(".ray_" in f.rule.id for f in findings)   # Ray: a GPU per worker
+        root = oom_device_rank(root, scan.multi_node or any(k.host for k in keys), ray)
     if root is not None and root.rule.category is Category.EXTERNAL_STOP:
         root = stop_for_memory(root, findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:

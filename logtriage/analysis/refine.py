@@ -45,16 +45,16 @@ def peer_that_left(root: RootCause, findings: list[Finding], facts: RankFacts, c
 OOM_RULE = "cuda.oom"
 
 
-def oom_device_rank(root: RootCause, multi_node: bool) -> RootCause:
+def oom_device_rank(root: RootCause, multi_node: bool, own_gpus: bool) -> RootCause:
     """A CUDA OOM that no line ties to a rank, in a one-node job: torchrun, accelerate, DeepSpeed and
-    Lightning put local rank k on `cuda:k`, so "GPU k" (k > 0) in the message names local rank k.
-    GPU 0 says nothing: it is every process's device where each has a GPU of its own (Ray actors,
-    a scheduler binding one GPU per task), and a single process's."""
+    Lightning put local rank k on `cuda:k`, so "GPU k" in the message names local rank k. Not where
+    each worker has a GPU of its own (`own_gpus`: Ray's workers), whose device is always GPU 0."""
     f = root.finding
-    if root.rule.id != OOM_RULE or root.rank is not None or root.ranks or f is None or multi_node:
+    if root.rule.id != OOM_RULE or root.rank is not None or root.ranks or f is None or multi_node \
+            or not f.captures.get("device", "").isdigit():
         return root
-    device = int(f.captures["device"]) if f.captures.get("device", "").isdigit() else 0
-    if device == 0:
+    device = int(f.captures["device"])
+    if own_gpus and device == 0:
         return root
     return replace(root, rank=device, ranks=(device,), confidence=min(root.confidence, 0.5), reasons=root.reasons + (
         f"no line names the rank; the message's GPU {device} is local rank {device}'s device where the launcher "

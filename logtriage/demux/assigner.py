@@ -115,6 +115,8 @@ class Assigner:
     def _assign(self, line: str) -> Part:
         p = strip_prefixes(line, self.dialect)
         text = p.text
+        if "ray" in p.layers:
+            self.facts.ray_workers = True
         self._settle_pending_rule(text)
         if p.host:
             self._note_host_rank(p)

@@ -66,6 +66,7 @@ class LauncherFacts:
     teardown_pids: set[int] = field(default_factory=set)
     failed_lines: int = 0          # `failed (exitcode ...)` lines: one per failed attempt
     restart_marked: bool = False
+    ray_workers: bool = False      # lines carry a Ray worker's prefix: each worker has a GPU of its own
     # (host, local rank) -> global rank, on multi-node logs whose lines carry a host and a local
     # rank (pdsh + `--tee`): from a `[default1]:[rank4]:` line, a rank marker in the worker's text,
     # or the host's ChildFailedError entry `rank: 4 (local_rank: 1)`
