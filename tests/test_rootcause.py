@@ -202,6 +202,23 @@ def test_two_processes_on_one_gpu_in_nccls_summaries_is_a_device_assignment(tmp_
     assert triage([str(log)]).to_dict()["root_cause"]["category"] != "device_assignment"   # two GPUs
 
 
+def test_a_file_system_error_on_a_checkpoint_path_or_a_traceback_cut_inside_torch_load(tmp_path):
+    # huggingface/trl#2928 (sample_logs/public42/trl_2928_*): ranks racing to rename a checkpoint;
+    # pytorch/pytorch#103895 (public42/pytorch_103895_*): the traceback ends inside torch.load
+    log = tmp_path / "c.log"
+    log.write_text("[rank5]: OSError: [Errno 39] Directory not empty: 'output_dir/tmp-checkpoint-l6bxw431' -> "
+                   "'output_dir/checkpoint-100'\n")
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("ckpt.io_error", "checkpoint", 5)
+    frames = ('Traceback (most recent call last):\n  File "/w/train.py", line 9, in main\n    {call}\n'
+              '  File "/env/{path}", line 777, in {func}\n    x = f()\n')
+    log.write_text(frames.format(call="engine.load_checkpoint(d)", path="torch/serialization.py", func="load"))
+    assert triage([str(log)]).to_dict()["root_cause"]["category"] == "checkpoint"
+    # activation checkpointing recomputes a forward pass: a traceback cut there is not a checkpoint file's
+    log.write_text(frames.format(call="out = checkpoint(block, x)", path="torch/utils/checkpoint.py", func="checkpoint"))
+    assert triage([str(log)]).to_dict()["root_cause"]["category"] == "unknown"
+
+
 def test_a_scheduler_memory_kill_explains_the_stop_signal_before_it(tmp_path):
     # Slurm stops the job (torchrun gets SIGTERM), then slurmstepd says why: the OOM is the root
     log = tmp_path / "s.log"

@@ -234,7 +234,9 @@ def _cut_traceback(scan: ScanResult, keys: list[StreamKey], catalog: Catalog) ->
         source, first, last = scan.blocks[block_id]
         if stream.kind is StreamKind.LAUNCHER or last - first < 2:
             continue
-        rule = catalog.get("python.traceback_cut") or fallback_rule(
+        checkpoint = scan.block_checkpoint_frames.get(block_id, "")
+        rule_id = "ckpt.io_error" if checkpoint else "python.traceback_cut"   # cut inside torch.load, a save
+        rule = catalog.get(rule_id) or fallback_rule(
             "python.traceback_cut", Category.UNKNOWN, "A traceback without its exception line")
         # the block's first line: `Traceback (most recent call last):`, or a frame when the paste cut that
         head = read_lines(scan.sources[source], scan.indexes[source], [first]).get(first, "")
@@ -242,8 +244,9 @@ def _cut_traceback(scan: ScanResult, keys: list[StreamKey], catalog: Catalog) ->
         finding = Finding(rule, {}, source, first, stream, stream.rank_or_none, text,
                           block_id, scan.seq + 1, None, last_frame=scan.block_last_frames.get(block_id, ""))
         rank = finding.rank
+        inside = f", inside `{checkpoint}`: saving or loading a checkpoint failed" if checkpoint else ""
         return RootCause(rule, finding, rank, (rank,) if rank is not None else (), 0.3, (
-            f"the traceback at line {first} stops at line {last} before its exception line: "
+            f"the traceback at line {first} stops at line {last} before its exception line{inside}; "
             "the error itself was cut from this log",))
     return None
 

@@ -1,5 +1,6 @@
 """Second readings of a root that is an exception: what the frame that raised it says (a
-file-system error in a checkpoint's save or load is that checkpoint's failure; a division by zero
+file-system error in a checkpoint's save or load, or on a checkpoint's path, is that checkpoint's
+failure; a division by zero
 in OpenMMLab's init_dist is "no GPU visible"; a spawn child's EOFError is its parent's pickling
 failure; a DataLoader worker's CUDA initialization error is CUDA after fork; a JSONDecodeError is a
 banner in front of a probe's output only where there is a banner), and what a worker's error file in the launcher's summary says when nothing else does."""
@@ -24,14 +25,20 @@ FILE_SYSTEM_ERRORS = frozenset({
     "OSError", "IOError", "FileExistsError", "FileNotFoundError", "PermissionError", "IsADirectoryError",
     "NotADirectoryError", "BlockingIOError", "EOFError"})
 GENERIC_RULES = frozenset({"python.exception", "python.file_not_found", "host.filesystem_error"})
+# a path the error names that is a checkpoint's (`'out/tmp-checkpoint-x' -> 'out/checkpoint-100'`)
+_CHECKPOINT_PATH = re.compile(r"'[^']*(?:checkpoint|ckpt)[^']*'", re.IGNORECASE)
 
 
 def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
     f = root.finding
-    if f is None or root.rule.id not in GENERIC_RULES or not f.checkpoint_frame:
+    if f is None or root.rule.id not in GENERIC_RULES:
         return root
     kind = short_type(f.exception_type)
-    loading = "load" in f.checkpoint_frame.lower()
+    named = _CHECKPOINT_PATH.search(f.text) if kind in FILE_SYSTEM_ERRORS and not f.checkpoint_frame else None
+    if not f.checkpoint_frame and named is None:
+        return root
+    where = f"`{f.checkpoint_frame}`" if f.checkpoint_frame else f"an operation on {named.group(0)}"
+    loading = "load" in (f.checkpoint_frame or "").lower()
     if kind == "KeyError" and loading:
         # the loader looked up a key the file does not have (`iteration`, `state`): another format
         rule_id = "ckpt.format_mismatch"
@@ -41,7 +48,7 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
         return root
     rule = catalog.get(rule_id) or fallback_rule(rule_id, Category.CHECKPOINT, "A checkpoint's file operation failed")
     return replace(root, rule=rule, reasons=root.reasons + (
-        f"the {kind} was raised inside `{f.checkpoint_frame}`: saving or loading a checkpoint failed",))
+        f"the {kind} was raised in {where}: saving or loading a checkpoint failed",))
 
 
 # OpenMMLab's init_dist (mmcv, mmdet, mmseg ...) sets `torch.cuda.set_device(rank % num_gpus)`

@@ -30,6 +30,10 @@ _BROADCAST_SOURCE = re.compile(r'\bbroadcast\w*\(.*\bsrc\s*=\s*(\d{1,9})\b')
 _CHECKPOINT_FRAME = re.compile(
     r', in (\w*(?:checkpoint|ckpt)\w*|(?:save|load)_(?:model|state_dict|pretrained|weights)\w*)\s*$'
     r'|(torch/serialization\.py|torch/distributed/checkpoint/)', re.IGNORECASE)
+# activation (gradient) checkpointing recomputes a forward pass: not a checkpoint file
+_ACTIVATION_CHECKPOINT = re.compile(
+    r"utils/checkpoint\.py|activation_checkpointing|checkpoint_sequential|CheckpointFunction|"
+    r"_checkpoint_without_reentrant|gradient_checkpointing|checkpoint_wrapper", re.IGNORECASE)
 # a traceback's frame line: the innermost one says where the process was (waiting, or working);
 # one with at most 4 spaces before it and no `Traceback (...)` above starts a cut traceback
 _FRAME = re.compile(r'^(\s*)File "[^"\n]+", line \d+, in (\S+)')
@@ -249,7 +253,7 @@ class Assigner:
             frame = _FRAME.match(text)
             if frame:
                 block.state["last_frame"] = frame.group(2)
-            if "checkpoint" not in block.state:
+            if "checkpoint" not in block.state and not _ACTIVATION_CHECKPOINT.search(text):
                 m = _CHECKPOINT_FRAME.search(text)
                 if m:
                     block.state["checkpoint"] = m.group(1) or m.group(2)
