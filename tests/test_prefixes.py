@@ -133,6 +133,17 @@ def test_a_pytest_failure_reports_e_prefix_is_stripped_keeping_the_indent_under_
     assert not Dialect.detect(["E0424 01:11:21.160832 1 x.cpp:1] error", "plain"]).pytest
 
 
+def test_a_paste_quoted_in_markdown_is_read_without_its_quote_marks():
+    # sample_logs/public43/songnet_20_*: every line of the paste starts with `> `
+    lines = ['> label_smoothing.py", line 15, in __init__',
+             "> self.one_hot = torch.full((1, size), self.smoothing_value).to(device)",
+             "> RuntimeError: CUDA error: invalid device ordinal"]
+    dialect = Dialect.detect(lines)
+    assert dialect.quoted
+    assert strip_prefixes(lines[2], dialect).text == "RuntimeError: CUDA error: invalid device ordinal"
+    assert not Dialect.detect(["> one quoted line", "plain", "another plain"]).quoted
+
+
 def test_a_paste_indented_as_a_code_block_is_read_without_its_indent():
     # sample_logs/public16/dgl7426_*: every line of the paste starts with four spaces
     sample = ["    Traceback (most recent call last):",

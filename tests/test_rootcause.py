@@ -219,6 +219,29 @@ def test_a_file_system_error_on_a_checkpoint_path_or_a_traceback_cut_inside_torc
     assert triage([str(log)]).to_dict()["root_cause"]["category"] == "unknown"
 
 
+def test_a_valueerror_in_torchruns_own_option_parsing_is_a_launch_usage_error(tmp_path):
+    # open-mmlab/mmaction2#1476 (sample_logs/public43/mmaction2_1476_*): dist_train.sh's arguments
+    # shifted, so `--work-dir` landed in --nproc_per_node
+    log = tmp_path / "n.log"
+    log.write_text('Traceback (most recent call last):\n'
+                   '  File "/env/torch/distributed/run.py", line 564, in determine_local_world_size\n'
+                   "    return int(nproc_per_node)\n"
+                   "ValueError: invalid literal for int() with base 10: '--work-dir'\n")
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["category"]) == ("launcher.torchrun_usage", "launch_usage")
+
+
+def test_an_exception_whose_message_starts_on_the_next_line_is_read_with_it(tmp_path):
+    # torch 1.x's driver check (sample_logs/public43/trixie_9_*): `AssertionError: ` then the message
+    log = tmp_path / "a.log"
+    log.write_text('Traceback (most recent call last):\n'
+                   '  File "/env/torch/cuda/__init__.py", line 63, in _check_driver\n'
+                   "    raise AssertionError(msg)\n"
+                   "AssertionError: \n"
+                   "The NVIDIA driver on your system is too old (found version 10010).\n")
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["exception_type"]) == ("cuda.no_device", "environment", "AssertionError")
+
 def test_a_scheduler_memory_kill_explains_the_stop_signal_before_it(tmp_path):
     # Slurm stops the job (torchrun gets SIGTERM), then slurmstepd says why: the OOM is the root
     log = tmp_path / "s.log"

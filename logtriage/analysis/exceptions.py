@@ -54,6 +54,8 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
 # OpenMMLab's init_dist (mmcv, mmdet, mmseg ...) sets `torch.cuda.set_device(rank % num_gpus)`
 # with num_gpus = torch.cuda.device_count(): zero visible GPUs divide by zero there.
 GPU_COUNT_FRAMES = frozenset({"_init_dist_pytorch", "_init_dist_slurm", "_init_dist_mpi", "init_dist"})
+# torchrun parsing its own options (`--nproc_per_node gpu|cpu|auto|N`): a bad value is a usage error
+LAUNCHER_OPTION_FRAMES = frozenset({"determine_local_world_size", "parse_min_max_nnodes", "_get_rdzv_endpoint"})
 # multiprocessing's spawn child unpickles what its parent sent; an empty pipe means the parent failed
 SPAWN_CHILD_FRAME = "_main"
 # a DataLoader worker's exception, re-raised by the main process (`Caught RuntimeError in DataLoader
@@ -77,6 +79,10 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
         rule, why = catalog.get("cuda.no_device"), (
             f"the division by zero is in `{f.last_frame}`, which takes the rank modulo torch.cuda.device_count(): "
             "the process saw no GPU")
+    elif kind == "ValueError" and root.rule.id in GENERIC_RULES and f.last_frame in LAUNCHER_OPTION_FRAMES:
+        rule, why = catalog.get("launcher.torchrun_usage"), (
+            f"the ValueError is raised in torchrun's `{f.last_frame}`, which parses its own options: a launcher "
+            "option has a bad value (often a script argument that landed in its place)")
     elif kind == "EOFError" and root.rule.id == "ckpt.corrupt_archive" and f.last_frame == SPAWN_CHILD_FRAME:
         rule, why = catalog.get("python.exception"), (
             "the EOFError is raised in multiprocessing's spawn `_main`, where a child unpickles what its parent "

@@ -117,7 +117,7 @@ def _continues_traceback(text: str, state: dict) -> bool:
         after_last_error = state.pop("last_error", False)
         if lines < MAX_MESSAGE_LINES and not _NEW_RECORD.match(text) and (
                 (state.get("prefixed") and state.get("line_prefixed")) or after_last_error
-                or _MESSAGE_DETAIL.match(text)):
+                or state.get("empty_head") or _MESSAGE_DETAIL.match(text)):
             state["message_lines"] = lines + 1
             state["last_error"] = text.startswith("Last error:")
             return True
@@ -126,6 +126,9 @@ def _continues_traceback(text: str, state: dict) -> bool:
         return False  # not an exception line: someone else's output, the block is over
     state["message"] = True  # the exception line
     state["exception"] = text
+    # `AssertionError: ` with the message on the lines below it (torch 1.x's driver check)
+    # (an `...Error:` only: mp.spawn's `ProcessRaisedException: ` is followed by the child's report)
+    state["empty_head"] = text.rstrip().endswith("Error:")
     return True
 
 

@@ -1,6 +1,7 @@
 """Launcher prefixes, outermost first, each stripped once:
 
     paste indentation   every line indented alike (a log pasted as a Markdown code block)
+    Markdown quote      `> ` before every line (a log pasted as a quote; likewise)
     collector stamp     `2023-05-26T16:48:07.093268664Z ` or `...Z: `  (docker logs -t, kubectl logs
                                                    --timestamps, job-service consoles;
                                                    only when the log uses it widely)
@@ -37,6 +38,7 @@ _COLLECTOR_STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:
 # line number (`704.7s\t1290\t`)
 _CLOCK_STAMP = re.compile(r"^(?:(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) [ \d]\d \d\d:\d\d:\d\d(?:\.\d{1,9})? "
                           r"|\d{1,7}\.\d{1,3}s\t\d{1,9}\t)")
+_QUOTE = re.compile(r"^> ?")
 _PYTEST_E = re.compile(r"^E {3}(?: {4})?")
 _MPI = re.compile(r"^\[(\d{1,9}),(\d{1,12})\]<(?:stdout|stderr|stddiag)>: ?")
 _HOST = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62}): ")
@@ -66,6 +68,7 @@ class Dialect:
     stamped: bool = False      # every line starts with the log collector's RFC 3339 time
     clock_stamped: bool = False  # every line starts with a clock (`Nov 26 23:08:31 `, Kaggle's `704.7s\t1290\t`)
     pytest: bool = False       # a pytest failure report: the exception's lines start with `E   `
+    quoted: bool = False       # every line starts with a Markdown quote's `> `
     srun_nodes: bool = False   # srun tasks are nodes (one torchrun each), not ranks
     hosts: frozenset[str] = field(default_factory=frozenset)
     indent: int = 0            # spaces in front of every line: a paste indented as a code block
@@ -79,6 +82,9 @@ class Dialect:
         indent = min(indent, MAX_INDENT) if len(lines) >= 3 else 0
         if indent:
             lines = [line[indent:] for line in lines]
+        quoted = len(lines) >= 2 and sum(1 for line in lines if line.startswith(">")) * 3 >= len(lines) * 2
+        if quoted:
+            lines = [_QUOTE.sub("", line, count=1) for line in lines]
         stamped = sum(1 for line in lines if _COLLECTOR_STAMP.match(line)) * 3 >= len(lines) * 2
         if stamped:
             lines = [_COLLECTOR_STAMP.sub("", line, count=1) for line in lines]
@@ -104,8 +110,8 @@ class Dialect:
             # too few lines for the floor, but the convention is plain
             chosen |= frozenset(named)
         srun = srun_hits * 3 >= len(lines) and srun_hits >= 3
-        return cls(srun=srun, stamped=stamped, clock_stamped=clock_stamped, pytest=pytest, hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines),
-                   indent=indent)
+        return cls(srun=srun, stamped=stamped, clock_stamped=clock_stamped, pytest=pytest, quoted=quoted,
+                   hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines), indent=indent)
 
 
 _AGENT_LINE = re.compile(r"^[IWEC]\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ \S*distributed/(?:run|elastic|launcher)")
@@ -143,6 +149,9 @@ def _line_labels(line: str, dialect: Dialect) -> tuple[str, list[tuple[str, re.M
     if dialect.indent and text[:dialect.indent].isspace() and len(text) >= dialect.indent:
         text = text[dialect.indent:]
         labels.append(("indent", None))
+    if dialect.quoted and text.startswith(">"):
+        text = _QUOTE.sub("", text, count=1)
+        labels.append(("quote", None))
     for layer, pattern, used in (("stamp", _COLLECTOR_STAMP, dialect.stamped), ("stamp", _CLOCK_STAMP, dialect.clock_stamped),
                                  ("pytest", _PYTEST_E, dialect.pytest), ("srun", _SRUN, dialect.srun),
                                  ("mpi", _MPI, True), ("host", _HOST, bool(dialect.hosts))):
