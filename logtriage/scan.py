@@ -87,6 +87,7 @@ class ScanResult:
     block_checkpoint_frames: dict[int, str] = field(default_factory=dict)   # its checkpoint save/load frame
     block_last_frames: dict[int, str] = field(default_factory=dict)   # its innermost frame's function
     block_broadcast_sources: dict[int, int] = field(default_factory=dict)   # a broadcast's src rank
+    block_cause_frames: dict[int, str] = field(default_factory=dict)   # a chain's first exception's frame
     block_exception_lines: dict[int, tuple[int, int]] = field(default_factory=dict)  # -> (source, line)
     indexes: list[SourceIndex] = field(default_factory=list)
     input_lines: int = 0
@@ -153,6 +154,7 @@ class LineScanner:
         result.block_checkpoint_frames.update(assigner.checkpoint_frames)
         result.block_last_frames.update(assigner.last_frames)
         result.block_broadcast_sources.update(assigner.broadcast_sources)
+        result.block_cause_frames.update(assigner.cause_frames)
         for block_id, line in assigner.exception_lines.items():
             result.block_exception_lines[block_id] = (self.source.index, line)
         result.input_lines += self.lines

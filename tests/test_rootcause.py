@@ -229,6 +229,12 @@ def test_a_valueerror_in_torchruns_own_option_parsing_is_a_launch_usage_error(tm
                    "ValueError: invalid literal for int() with base 10: '--work-dir'\n")
     rc = triage([str(log)]).to_dict()["root_cause"]
     assert (rc["rule_id"], rc["category"]) == ("launcher.torchrun_usage", "launch_usage")
+    # the same ValueError followed by the launcher's chained traceback: its own frame still counts
+    log.write_text(log.read_text() + "\nDuring handling of the above exception, another exception occurred:\n\n"
+                   'Traceback (most recent call last):\n  File "/env/runpy.py", line 193, in _run_module_as_main\n'
+                   '    "__main__", mod_spec)\n')
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["line"]) == ("launcher.torchrun_usage", 4)
 
 
 def test_an_exception_whose_message_starts_on_the_next_line_is_read_with_it(tmp_path):

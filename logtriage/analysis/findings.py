@@ -155,10 +155,20 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
                                 hit.block_id, hit.seq, stamp, how, scan.block_exceptions.get(hit.block_id, ""),
                                 scan.block_collectives.get(hit.block_id, ""),
                                 scan.block_checkpoint_frames.get(hit.block_id, ""),
-                                scan.block_last_frames.get(hit.block_id, ""),
+                                _innermost_frame(scan, hit),
                                 scan.block_broadcast_sources.get(hit.block_id)))
     findings = _best_per_traceback(findings, scan.block_kinds)
     return attribute_by_signal(findings, failures)
+
+
+def _innermost_frame(scan: ScanResult, hit: Hit) -> str:
+    """Where the process was when the exception on this line was raised: the block's innermost
+    frame, or, for the first exception of a chain ("During handling of the above exception"), the
+    innermost frame before the chain."""
+    cause = scan.block_cause_frames.get(hit.block_id)
+    if cause and scan.block_exception_lines.get(hit.block_id) == (hit.source, hit.line):
+        return cause
+    return scan.block_last_frames.get(hit.block_id, "")
 
 
 def _passive(rule: Rule) -> bool:

@@ -101,6 +101,7 @@ class Assigner:
         self.checkpoint_frames: dict[int, str] = {}             # traceback block id -> checkpoint frame
         self.last_frames: dict[int, str] = {}                   # traceback block id -> innermost function
         self.broadcast_sources: dict[int, int] = {}             # traceback block id -> broadcast's src rank
+        self.cause_frames: dict[int, str] = {}                  # chained traceback -> its first exception's frame
         self.exception_lines: dict[int, int] = {}               # traceback block id -> its exception line
 
     # -- public -------------------------------------------------------------------------------
@@ -245,6 +246,9 @@ class Assigner:
             m = _COLLECTIVE_FRAME.search(text)
             if m:
                 block.state["collective"] = m.group(1)
+        if block.kind is B.BlockKind.TRACEBACK and "cause_frame" not in block.state and B.CHAIN.match(text):
+            # "During handling of the above exception": the first exception's own innermost frame
+            block.state["cause_frame"] = block.state.get("last_frame", "")
         if block.kind is B.BlockKind.TRACEBACK and "src" in text and "File " not in text:
             m = _BROADCAST_SOURCE.search(text)
             if m:
@@ -275,6 +279,8 @@ class Assigner:
             self.checkpoint_frames[block.block_id] = block.state["checkpoint"]
         if block.state.get("last_frame"):
             self.last_frames[block.block_id] = block.state["last_frame"]
+        if block.state.get("cause_frame"):
+            self.cause_frames[block.block_id] = block.state["cause_frame"]
         if "broadcast_src" in block.state and block.state.get("collective", "").startswith("broadcast"):
             self.broadcast_sources[block.block_id] = block.state["broadcast_src"]
         if block.state.get("exception_line"):

@@ -24,7 +24,7 @@ class BlockKind(str, Enum):
 
 
 TRACEBACK_START = re.compile(r"^Traceback \(most recent call last\):\s*$")
-_CHAIN = re.compile(r"^(?:During handling of the above exception, another exception occurred:"
+CHAIN = _CHAIN = re.compile(r"^(?:During handling of the above exception, another exception occurred:"
                     r"|The above exception was the direct cause of the following exception:)\s*$")
 # An exception line's head, its type in group 1 (`NameError: name ...`, `torch.OutOfMemoryError: ...`,
 # a bare `MemoryError`): what closes a traceback, also an error file's in a launcher summary. NCCL's
