@@ -103,45 +103,51 @@ def test_a_collector_stamp_closed_by_a_colon_is_stripped_before_the_mpi_tag():
     assert (second.text, second.rank) == ("OSError: Caught OSError in DataLoader worker process 3.", 0)
 
 
-def test_a_ci_consoles_clock_on_every_line_is_stripped():
+# Labels a console or a paste puts on every line, as (the Dialect flag, lines of a real log, each
+# line's text after the label, rank of the last line, a sample that must not set the flag).
+EVERY_LINE_LABELS = [
     # CircleCI as pasted in pytorch/pytorch#48500 (sample_logs/public38/pytorch48500_*), syslog alike
-    lines = ["Nov 26 23:08:31 Traceback (most recent call last):",
-             'Nov 26 23:08:31   File "common_distributed.py", line 278, in wrapper',
-             "Nov  6 23:08:31 [rank1]: AssertionError: False is not true : Expected zero exit code but got -11"]
-    dialect = Dialect.detect(lines)
-    assert dialect.clock_stamped and not dialect.stamped
-    assert strip_prefixes(lines[0], dialect).text == "Traceback (most recent call last):"
-    third = strip_prefixes(lines[2], dialect)
-    assert (third.text, third.rank) == ("AssertionError: False is not true : Expected zero exit code but got -11", 1)
-    assert not Dialect.detect(["Nov 26 23:08:31 started", "plain line", "another"]).clock_stamped
-    kaggle = ["704.7s\t1290\tTraceback (most recent call last):", "704.7s\t1295\tRuntimeError: x", "705.1s\t1296\tdone"]
-    assert Dialect.detect(kaggle).clock_stamped   # a Kaggle notebook's log (sample_logs/public37/f5tts_kaggle_*)
-    assert strip_prefixes(kaggle[1], Dialect.detect(kaggle)).text == "RuntimeError: x"
-
-
-def test_a_pytest_failure_reports_e_prefix_is_stripped_keeping_the_indent_under_it():
-    # nv-morpheus/Morpheus#1021 (sample_logs/public39/morpheus_1021_*): spawn's error under pytest
-    lines = ["E       torch.multiprocessing.spawn.ProcessRaisedException: ",
-             "E       -- Process 0 terminated with the following error:",
-             "E       Traceback (most recent call last):",
-             'E         File "multiprocessing.py", line 30, in _wrap',
-             "E       AssertionError"]
-    dialect = Dialect.detect(lines)
-    assert dialect.pytest
-    assert [strip_prefixes(line, dialect).text for line in lines[2:]] == [
-        "Traceback (most recent call last):", '  File "multiprocessing.py", line 30, in _wrap', "AssertionError"]
-    assert not Dialect.detect(["E0424 01:11:21.160832 1 x.cpp:1] error", "plain"]).pytest
-
-
-def test_a_paste_quoted_in_markdown_is_read_without_its_quote_marks():
+    ("clock_stamped",
+     ["Nov 26 23:08:31 Traceback (most recent call last):",
+      'Nov 26 23:08:31   File "common_distributed.py", line 278, in wrapper',
+      "Nov  6 23:08:31 [rank1]: AssertionError: False is not true : Expected zero exit code but got -11"],
+     ["Traceback (most recent call last):", '  File "common_distributed.py", line 278, in wrapper',
+      "AssertionError: False is not true : Expected zero exit code but got -11"], 1,
+     ["Nov 26 23:08:31 started", "plain line", "another"]),
+    # a Kaggle notebook's log (sample_logs/public37/f5tts_kaggle_*): elapsed time and line number
+    ("clock_stamped",
+     ["704.7s\t1290\tTraceback (most recent call last):", "704.7s\t1295\tRuntimeError: x", "705.1s\t1296\tdone"],
+     ["Traceback (most recent call last):", "RuntimeError: x", "done"], None,
+     ["704.7s\t1290\tstarted", "plain line", "another"]),
+    # nv-morpheus/Morpheus#1021 (sample_logs/public39/morpheus_1021_*): spawn's error under pytest;
+    # the indent under the `E` stays
+    ("pytest",
+     ["E       -- Process 0 terminated with the following error:",
+      "E       Traceback (most recent call last):",
+      'E         File "multiprocessing.py", line 30, in _wrap',
+      "E       AssertionError"],
+     ["-- Process 0 terminated with the following error:", "Traceback (most recent call last):",
+      '  File "multiprocessing.py", line 30, in _wrap', "AssertionError"], None,
+     ["E0424 01:11:21.160832 1 x.cpp:1] error", "plain"]),
     # sample_logs/public43/songnet_20_*: every line of the paste starts with `> `
-    lines = ['> label_smoothing.py", line 15, in __init__',
-             "> self.one_hot = torch.full((1, size), self.smoothing_value).to(device)",
-             "> RuntimeError: CUDA error: invalid device ordinal"]
+    ("quoted",
+     ['> label_smoothing.py", line 15, in __init__',
+      "> self.one_hot = torch.full((1, size), self.smoothing_value).to(device)",
+      "> RuntimeError: CUDA error: invalid device ordinal"],
+     ['label_smoothing.py", line 15, in __init__',
+      "self.one_hot = torch.full((1, size), self.smoothing_value).to(device)",
+      "RuntimeError: CUDA error: invalid device ordinal"], None,
+     ["> one quoted line", "plain", "another plain"]),
+]
+
+
+@pytest.mark.parametrize("flag, lines, texts, last_rank, not_it", EVERY_LINE_LABELS)
+def test_a_label_on_every_line_is_stripped_only_where_the_log_uses_it(flag, lines, texts, last_rank, not_it):
     dialect = Dialect.detect(lines)
-    assert dialect.quoted
-    assert strip_prefixes(lines[2], dialect).text == "RuntimeError: CUDA error: invalid device ordinal"
-    assert not Dialect.detect(["> one quoted line", "plain", "another plain"]).quoted
+    assert getattr(dialect, flag) and not dialect.stamped
+    assert [strip_prefixes(line, dialect).text for line in lines] == texts
+    assert strip_prefixes(lines[-1], dialect).rank == last_rank
+    assert not getattr(Dialect.detect(not_it), flag)
 
 
 def test_a_paste_indented_as_a_code_block_is_read_without_its_indent():

@@ -1,9 +1,10 @@
 """Second readings of a root that is an exception: what the frame that raised it says (a
 file-system error in a checkpoint's save or load, or on a checkpoint's path, is that checkpoint's
-failure; a division by zero
-in OpenMMLab's init_dist is "no GPU visible"; a spawn child's EOFError is its parent's pickling
-failure; a DataLoader worker's CUDA initialization error is CUDA after fork; a JSONDecodeError is a
-banner in front of a probe's output only where there is a banner), and what a worker's error file in the launcher's summary says when nothing else does."""
+failure; a division by zero in OpenMMLab's init_dist is "no GPU visible"; a spawn child's EOFError
+is its parent's pickling failure; a DataLoader worker's CUDA initialization error is CUDA after
+fork; a ValueError in torchrun's option parsing is a usage error; a JSONDecodeError is a banner in
+front of a probe's output only where there is a banner), and what a worker's error file in the
+launcher's summary says when nothing else does."""
 
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
     OpenMMLab's init_dist is "no GPU visible"; an `EOFError: Ran out of input` in a spawn child's
     `_main` is the parent failing to send the process's state (a pickling error), not a truncated
     checkpoint; a full disk with no checkpoint frame is the file system's, not a checkpoint's; CUDA's
-`initialization error` in a DataLoader worker is CUDA used in a forked child."""
+    `initialization error` in a DataLoader worker is CUDA used in a forked child; a ValueError in
+    torchrun's own option parsing is a bad launcher option."""
     f = root.finding
     if f is None:
         return root

@@ -43,7 +43,7 @@ _WORKER_FIELDS = frozenset({"local_rank", "pid", "process", "task"})
 _INFO_LINE = re.compile(r"^\[?I\d{3,4} \d\d:\d\d:\d\d")
 _MASK = re.compile(r"0x[0-9a-fA-F]+|\d+")
 # pytest's short test summary: `FAILED tests/test_x.py::test_y - RuntimeError: ...`
-_PYTEST_SUMMARY = re.compile(r"^(?:FAILED|ERROR) \S+::\S+(?: \[[^\]]*\])? - ")
+_PYTEST_SUMMARY = re.compile(r"^(?:FAILED|ERROR) \S+::\S+ - ")
 _VLLM_LOGGER = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d [\w.-]+\.py:\d+\] ")
 
 

@@ -24,8 +24,9 @@ class BlockKind(str, Enum):
 
 
 TRACEBACK_START = re.compile(r"^Traceback \(most recent call last\):\s*$")
-CHAIN = _CHAIN = re.compile(r"^(?:During handling of the above exception, another exception occurred:"
-                    r"|The above exception was the direct cause of the following exception:)\s*$")
+# a chained traceback's link: what follows is the next exception of the chain
+CHAIN = re.compile(r"^(?:During handling of the above exception, another exception occurred:"
+                   r"|The above exception was the direct cause of the following exception:)\s*$")
 # An exception line's head, its type in group 1 (`NameError: name ...`, `torch.OutOfMemoryError: ...`,
 # a bare `MemoryError`): what closes a traceback, also an error file's in a launcher summary. NCCL's
 # result codes inside a DistBackendError's message (`ncclInternalError: Internal check failed.`) are not.
@@ -91,8 +92,8 @@ def _continues_traceback(text: str, state: dict) -> bool:
         state["blank"] = True
         return True  # blank lines inside messages and between chained tracebacks
     blank_before = state.pop("blank", False)
-    if TRACEBACK_START.match(text) or _CHAIN.match(text):
-        if state.get("message") and not (blank_before or _CHAIN.match(text)):
+    if TRACEBACK_START.match(text) or CHAIN.match(text):
+        if state.get("message") and not (blank_before or CHAIN.match(text)):
             return False
         state["message"] = False
         return True

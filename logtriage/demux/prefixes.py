@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterable
 
 _SRUN = re.compile(r"^ {0,6}(\d{1,7}): ")
@@ -72,6 +73,14 @@ class Dialect:
     srun_nodes: bool = False   # srun tasks are nodes (one torchrun each), not ranks
     hosts: frozenset[str] = field(default_factory=frozenset)
     indent: int = 0            # spaces in front of every line: a paste indented as a code block
+
+    @cached_property
+    def label_patterns(self) -> tuple[tuple[str, re.Pattern], ...]:
+        """The per-line labels this log uses, outermost first (decided once, read for every line)."""
+        used = (("stamp", _COLLECTOR_STAMP, self.stamped), ("stamp", _CLOCK_STAMP, self.clock_stamped),
+                ("pytest", _PYTEST_E, self.pytest), ("srun", _SRUN, self.srun), ("mpi", _MPI, True),
+                ("host", _HOST, bool(self.hosts)))
+        return tuple((layer, pattern) for layer, pattern, on in used if on)
 
     @classmethod
     def detect(cls, sample: Iterable[str]) -> "Dialect":
@@ -143,8 +152,8 @@ def _host_like(token: str) -> bool:
 
 def _line_labels(line: str, dialect: Dialect) -> tuple[str, list[tuple[str, re.Match | None]]]:
     """The labels a launcher or collector puts on every physical line, outermost first (paste
-    indent, collector stamp, srun label, Open MPI tag, pdsh host): the text after them, and each
-    label's layer name and match."""
+    indent, Markdown quote, collector or console clock, pytest's `E`, srun label, Open MPI tag,
+    pdsh host): the text after them, and each label's layer name and match."""
     text, labels = line, []
     if dialect.indent and text[:dialect.indent].isspace() and len(text) >= dialect.indent:
         text = text[dialect.indent:]
@@ -152,10 +161,8 @@ def _line_labels(line: str, dialect: Dialect) -> tuple[str, list[tuple[str, re.M
     if dialect.quoted and text.startswith(">"):
         text = _QUOTE.sub("", text, count=1)
         labels.append(("quote", None))
-    for layer, pattern, used in (("stamp", _COLLECTOR_STAMP, dialect.stamped), ("stamp", _CLOCK_STAMP, dialect.clock_stamped),
-                                 ("pytest", _PYTEST_E, dialect.pytest), ("srun", _SRUN, dialect.srun),
-                                 ("mpi", _MPI, True), ("host", _HOST, bool(dialect.hosts))):
-        m = pattern.match(text) if used else None
+    for layer, pattern in dialect.label_patterns:
+        m = pattern.match(text)
         if m and (layer != "host" or m.group(1) in dialect.hosts):
             text = text[m.end():]
             labels.append((layer, m))
