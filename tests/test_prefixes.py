@@ -161,7 +161,20 @@ def test_a_paste_indented_as_a_code_block_is_read_without_its_indent():
     assert strip_prefixes(sample[2], dialect).text.startswith("torch.distributed.DistBackendError: NCCL error")
     assert strip_prefixes(sample[1], dialect).text == '  File "/graphstorm/run.py", line 190, in <module>'
     assert Dialect.detect(["step 1", "    indented", "step 2"]).indent == 0
-    assert Dialect.detect(["  two lines", "  only"]).indent == 0
+    # a one- or two-line paste is read without its indent too
+    assert Dialect.detect(["    AttributeError: 'DistributedDataParallel' object has no attribute 'config'"]).indent == 4
+
+
+def test_a_code_fence_or_a_tab_indent_does_not_hide_the_paste_conventions():
+    # sample_logs/public10/ds2899_*, pasted between Markdown fences and indented by a tab
+    sample = ["```bash",
+              "\tnode01: ret = input.softmax(dim, dtype=dtype)",
+              "\tnode01:     ret = input.softmax(dim, dtype=dtype)",
+              "\tnode01: torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 896.00 MiB (GPU 2; ...)",
+              "```"]
+    dialect = Dialect.detect(sample)
+    assert dialect.indent == 1 and dialect.hosts == frozenset({"node01"})
+    assert strip_prefixes(sample[3], dialect).text.startswith("torch.cuda.OutOfMemoryError: CUDA out of memory")
 
 
 def test_a_short_paste_with_a_node_name_on_every_line_reads_it_as_a_host():

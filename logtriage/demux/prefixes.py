@@ -52,6 +52,8 @@ _TEMPLATE = re.compile(r"^\[([^\[\]\n]{1,120})\]:? ")
 _TEMPLATE_RANK = re.compile(r"(?:^|[|,;\s])(?:global_)?rank[=:\s]?(\d{1,12})(?:$|[|,;\s/])", re.IGNORECASE)
 _TEMPLATE_LOCAL = re.compile(r"local(?:_rank)?[=:\s]?(\d{1,7})", re.IGNORECASE)
 MAX_INDENT = 8
+# a Markdown code fence around (or between parts of) a pasted log: not part of the log's conventions
+_FENCE = re.compile(r"^\s*(?:```|~~~)[\w+.-]*\s*$")
 _NOT_HOSTS = frozenset(
     "traceback file note warning warnings error info debug critical fatal exception failures time host rank "
     "exitcode error_file traceback root cause reason message http https std stdout stderr usage hint "
@@ -84,11 +86,11 @@ class Dialect:
 
     @classmethod
     def detect(cls, sample: Iterable[str]) -> "Dialect":
-        lines = [line for line in sample if line.strip()]
+        lines = [line for line in sample if line.strip() and not _FENCE.match(line)]
         if not lines:
             return cls()
-        indent = min(len(line) - len(line.lstrip(" ")) for line in lines)
-        indent = min(indent, MAX_INDENT) if len(lines) >= 3 else 0
+        indent = len(_common_indent(lines))
+        indent = min(indent, MAX_INDENT)
         if indent:
             lines = [line[indent:] for line in lines]
         quoted = len(lines) >= 2 and sum(1 for line in lines if line.startswith(">")) * 3 >= len(lines) * 2
@@ -121,6 +123,20 @@ class Dialect:
         srun = srun_hits * 3 >= len(lines) and srun_hits >= 3
         return cls(srun=srun, stamped=stamped, clock_stamped=clock_stamped, pytest=pytest, quoted=quoted,
                    hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines), indent=indent)
+
+
+def _common_indent(lines: list[str]) -> str:
+    """The blanks (spaces or tabs, not mixed across lines) in front of every line."""
+    first = lines[0]
+    common = first[:len(first) - len(first.lstrip(" \t"))]
+    for line in lines[1:]:
+        n = 0
+        while n < len(common) and n < len(line) and line[n] == common[n]:
+            n += 1
+        common = common[:n]
+        if not common:
+            break
+    return common
 
 
 _AGENT_LINE = re.compile(r"^[IWEC]\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ \S*distributed/(?:run|elastic|launcher)")
