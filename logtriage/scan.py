@@ -35,7 +35,8 @@ MAX_LAUNCHER_LINES = 200_000
 MAX_STEP_TEXT = 2000
 MAX_WORLD_TEXT = 4000
 _WORLD = re.compile(r"world[_ ]size\s*[=:]\s*(\d{1,7})|global_world_sizes=\[(\d{1,7})", re.IGNORECASE)
-STEP = re.compile(r"\b(?:global[_ ])?(?:step|iter(?:ation)?)\b\s*[:=#]?\s*\[?\s*(\d{1,12})\b", re.IGNORECASE)
+# a progress line's step; not a Slurm step id (`*** STEP 422332.0 ON node01 CANCELLED`, `job step 7.0`)
+STEP = re.compile(r"\b(?:global[_ ])?(?:step|iter(?:ation)?)\b\s*[:=#]?\s*\[?\s*(\d{1,12})\b(?!\.\d)", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)

@@ -478,3 +478,57 @@ def test_a_key_missing_in_a_checkpoint_loader_and_a_loggers_ranked_traceback(tmp
                       "RuntimeError: CUDA out of memory. Tried to allocate 21.06 GiB (GPU 3; 79.35 GiB total capacity; "
                       "63.19 GiB already allocated; 8.57 GiB free; 68.48 GiB reserved in total by PyTorch)\n")["root_cause"]
     assert (rc["category"], rc["rank"], rc["line"]) == ("gpu_oom", 3, 4)
+
+
+def test_an_error_before_a_scheduler_time_limit_is_what_the_job_was_stuck_on(tmp_path):
+    # sample_logs/public47/nccltest_*_rank10_then_time_limit: an InfiniBand completion error on rank
+    # 10, then nothing until Slurm's time limit; Slurm's step id is no training step
+    head = "10: node02:31641:31641 [2] NCCL INFO Broadcast: opCount 0 count 131072 datatype 7 op 0 root 0\n"
+    error = ("10: node02:31641:32201 [0] transport/net_ib.cc:789 NCCL WARN NET/IB : Got completion with error 12, "
+             "opcode 1, len 0, vendor err 129\n")
+    stop = ("slurmstepd: error: *** JOB 416593 ON node01 CANCELLED AT 2020-01-27T14:51:17 DUE TO TIME LIMIT ***\n"
+            " 0: slurmstepd: error: *** STEP 416593.0 ON node01 CANCELLED AT 2020-01-27T14:51:17 DUE TO TIME LIMIT ***\n")
+    log = tmp_path / "tl.log"
+    report = _report(log, head * 3 + error + stop)
+    rc = report["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["rank"], rc["line"]) == ("collective_error", "nccl.network_transport", 10, 4)
+    assert all(r["last_step"] is None for r in report["ranks"])
+    # without the error, the time limit is the stop
+    rc = _report(log, head * 3 + stop)["root_cause"]
+    assert (rc["category"], rc["rule_id"]) == ("external_stop", "sched.slurm_time_limit")
+
+
+def test_the_what_line_of_a_terminate_is_the_event(tmp_path):
+    # horovod/horovod#2074 (sample_logs/public48/horovod_2074_*): the CUDA error is only in `what():`
+    log = tmp_path / "what.log"
+    rc = _report(log, "[1,1]<stderr>:terminate called after throwing an instance of 'c10::Error'\n"
+                      "[1,1]<stderr>:  what():  CUDA error: device not ready (Ready at horovod/torch/ready_event.cc:92)\n"
+                      "[1,1]<stderr>:frame #0: c10::Error::Error(c10::SourceLocation, std::string const&) + 0x4e\n"
+                 )["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["rank"], rc["line"]) == ("cuda_runtime", "cuda.error", 1, 2)
+    # a what() no rule knows leaves the terminate as the event
+    rc = _report(log, "terminate called after throwing an instance of 'std::out_of_range'\n"
+                      "  what():  vector::_M_range_check\n")["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["line"]) == ("crash_signal", "signal.native_terminate", 1)
+
+
+def test_a_finish_line_before_nccls_teardown_is_a_finished_run(tmp_path):
+    # argonne-lcf/alcf-nccl-tests (sample_logs/public47/alcfnccl_*_completes_ok): the script's total
+    # time, then NCCL tearing its communicators down
+    init = "node01:3839890:3841322 [0] NCCL INFO comm 0x5603eacae150 rank 0 nranks 8 cudaDev 0 busId 7000 - Init COMPLETE\n"
+    teardown = ("node01:3839893:3840156 [3] 152723.382768 nccl_net_ofi_closeRecv:3013 NCCL TRACE NET/OFI "
+                "De-registering buffer for flush operations\n")
+    log = tmp_path / "done.log"
+    report = _report(log, init + "Total run time: 152.3959195613861 seconds\n" + teardown * 3)
+    assert (report["verdict"], report["root_cause"]) == ("ok", None)
+    report = _report(log, init + teardown * 3)
+    assert (report["verdict"], report["root_cause"]["rule_id"]) == ("hung", "hang.after_nccl_init")
+
+
+def test_a_message_glued_after_another_processs_progress_bar_is_read_alone(tmp_path):
+    # a real CPU run (cpu_matrix batch 15, the tqdm variant): rank 1's watchdog line is glued after
+    # rank 0's bar; the bar's own `rank 0:` is not the message's rank
+    log = tmp_path / "bar.log"
+    rc = _report(log, "\rrank 0:  50%|#####     | 3/6 [00:03<00:03,  1.01s/it][FATAL] 检测到训练卡死：超过 4.1 秒无 "
+                      "Step 心跳，强行终止进程 (rank 1)\n")["root_cause"]
+    assert (rc["rule_id"], rc["rank"]) == ("hang.watchdog_heartbeat", 1)

@@ -35,7 +35,7 @@ from logtriage.analysis.refine import (
     unique_id_host_left,
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
-from logtriage.analysis.stopped import log_tail, message_of, output_stopped, unknown_error_line
+from logtriage.analysis.stopped import FINISHED_RULE, log_tail, message_of, output_stopped, unknown_error_line
 from logtriage.analysis.roots import ChainLink, ChainRole, RankFacts, RootCause, Verdict
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role
@@ -124,7 +124,9 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is None:
         root = waiting(findings, facts)
         if root is None and not scan.unreadable:   # output that stops where the input broke off says nothing
-            root = hang_from_progress(facts, catalog) or stalled_in_nccl_init(scan, findings, facts, catalog)
+            finished = any(f.rule.id == FINISHED_RULE for f in findings)   # its NCCL teardown is no stall
+            root = hang_from_progress(facts, catalog) or (
+                None if finished else stalled_in_nccl_init(scan, findings, facts, catalog))
         if root is not None:
             verdict = Verdict.HUNG
     if root is None:   # the log's end: an error no rule knows fails the run, else the output just stops

@@ -39,6 +39,9 @@ _SIGNAL_RULES = {"SIGSEGV": "signal.sigsegv", "SIGABRT": "signal.sigabrt", "SIGB
 SELF_RANK_CAPTURES = ("self_rank", "pg_rank")
 _BLOCK_KINDS_WITH_ONE_EVENT = frozenset({"traceback", "native", "cpp", "fault"})
 _RAISE_LINE = re.compile(r"^\s+raise\b")
+# `terminate called after throwing ...` only wraps what its `what():` line says: any other error
+# read in the same block (a CUDA error, a watchdog timeout) is the event
+_WRAPPER_RULES = frozenset({"signal.native_terminate"})
 _WORKER_FIELDS = frozenset({"local_rank", "pid", "process", "task"})
 _INFO_LINE = re.compile(r"^\[?I\d{3,4} \d\d:\d\d:\d\d")
 _MASK = re.compile(r"0x[0-9a-fA-F]+|\d+")
@@ -181,11 +184,17 @@ def _best_per_traceback(findings: list[Finding], block_kinds: dict[int, str]) ->
     error finding (a `Missing key(s)` line explains the generic `RuntimeError: Error(s) in
     loading state_dict` line above it; a watchdog `what():` explains `terminate called`)."""
     best: dict[int, int] = {}
+    wrapped: set[int] = set()
     for f in findings:
         if f.block_id >= 0 and f.is_error and not f.is_teardown and block_kinds.get(f.block_id) in _BLOCK_KINDS_WITH_ONE_EVENT:
-            best[f.block_id] = max(best.get(f.block_id, -1), f.rule.priority)
+            if f.rule.id in _WRAPPER_RULES:
+                best.setdefault(f.block_id, -1)
+            else:
+                best[f.block_id] = max(best.get(f.block_id, -1), f.rule.priority)
+                wrapped.add(f.block_id)
     kept = [f for f in findings
-            if not (f.block_id in best and f.is_error and not f.is_teardown and f.rule.priority < best[f.block_id])]
+            if not (f.block_id in best and f.is_error and not f.is_teardown
+                    and (f.rule.priority < best[f.block_id] or (f.rule.id in _WRAPPER_RULES and f.block_id in wrapped)))]
     # a frame's code line (`raise RendezvousConnectionError(`) names the error too; the exception
     # line of the same block is the one to report
     said = {(f.block_id, f.rule.id) for f in kept if f.block_id >= 0 and not _RAISE_LINE.match(f.text)}

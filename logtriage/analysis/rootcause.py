@@ -30,6 +30,9 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
     live = _not_recovered([f for f in findings if f.is_error and not f.is_teardown], findings)
     roots = [f for f in live if f.role is Role.ROOT_CANDIDATE]
     if roots:
+        before = _errors_before_stop(roots, live)
+        if before:
+            return _group_root(before, live, facts, 0.6)
         return _group_root(roots, live, facts, 0.9)
     either = [f for f in live if f.role is Role.EITHER and not _explained(f, live)]
     if _collective_timeouts(live):
@@ -54,6 +57,22 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
         return RootCause(first.rule, first, first.rank, ranks, 0.3,
                          ("only consequences were found; the initiating error is not in this log",))
     return None
+
+
+# what a job stopped by the scheduler shows as its stop, not as an error of its own
+_STOP_ECHOES = frozenset({Category.EXTERNAL_STOP, Category.CRASH_SIGNAL, Category.UNKNOWN, Category.HANG})
+
+
+def _errors_before_stop(roots: list[Finding], live: list[Finding]) -> list[Finding]:
+    """A job the scheduler stopped (a time limit, a cancel) after an error (an InfiniBand
+    completion error, then nothing until the time limit) was stuck on that error: the error is
+    the root. Only ambiguous errors need this; root candidates before the stop already win."""
+    if not all(f.category is Category.EXTERNAL_STOP for f in roots):
+        return []
+    stop = earliest(roots)
+    return [f for f in live if f.role is Role.EITHER and f.category not in _STOP_ECHOES
+            and f.attributed_by != "launcher" and not _explained(f, live)
+            and earliest([f, stop]) is f and f.seq < stop.seq]
 
 
 def _not_recovered(live: list[Finding], findings: list[Finding]) -> list[Finding]:

@@ -13,6 +13,9 @@ _ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 # tqdm and friends: `45%|####5     | 45/100 [00:01<00:01, 30.2it/s]`
 _PROGRESS_BAR = re.compile(r"\d%\||\d(?:it/s|s/it)\]|\[\d\d:\d\d<")
+# a bar's rate with another process's message glued after it (no newline between them):
+# `rank 0:  50%|#####     | 3/6 [00:03<00:03,  1.01s/it][FATAL] ...`
+_BAR_THEN_TEXT = re.compile(r"[\d?](?:it/s|s/it)\](?=\S)")
 
 
 def _latin1_bytes(exc: UnicodeDecodeError) -> tuple[str, int]:
@@ -66,4 +69,11 @@ def _last_redraw(text: str) -> str:
         for part in reversed(parts):
             if not _PROGRESS_BAR.search(part):
                 return part
-    return parts[-1]
+    return _after_bar(parts[-1])
+
+
+def _after_bar(part: str) -> str:
+    """The redrawn bar's last state with a message glued after it: the message is what the line
+    carries (the bar's own state is redrawn again a moment later)."""
+    m = _BAR_THEN_TEXT.search(part)
+    return part[m.end():] if m else part

@@ -473,6 +473,18 @@ def _is_bar(buf, a, b):
 
 
 @njit(cache=True, nogil=True)
+def _bar_then_text(buf, a, b):
+    """clean._BAR_THEN_TEXT on buf[a:b]: a bar's rate `[\\d?](it/s|s/it)]` with text glued after it."""
+    for k in range(a, b - 6):
+        ch = buf[k]
+        if (_is_digit(ch) or ch == 63) and buf[k + 5] == 93 and buf[k + 6] != 32 \
+                and ((buf[k + 1] == 105 and buf[k + 2] == 116 and buf[k + 3] == 47 and buf[k + 4] == 115)
+                     or (buf[k + 1] == 115 and buf[k + 2] == 47 and buf[k + 3] == 105 and buf[k + 4] == 116)):
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True)
 def _has_high(buf, a, b):
     for k in range(a, b):
         if buf[k] > 127:
@@ -563,7 +575,8 @@ def classify(buf, rank_hint, labels, starts, messages, ranks, flags, cuts, ranks
             a, b = _redraw(buf, line_start, end)
             # non-ASCII in the part shown is harmless where no character-counting rule looks:
             # no rank marker (a 120-character window) and no bracket prefix (120 characters)
-            if a >= 0 and not (high[n] and _has_high(buf, a, b) and (buf[a] == 91 or _has_rank(buf, a, b))):
+            if a >= 0 and not (high[n] and _has_high(buf, a, b) and (buf[a] == 91 or _has_rank(buf, a, b))) \
+                    and not _bar_then_text(buf, a, b):   # a message glued after a bar: the exact path cuts it
                 i = a
                 end = b
                 redrawn = True
@@ -608,8 +621,8 @@ def classify(buf, rank_hint, labels, starts, messages, ranks, flags, cuts, ranks
             if not explicit and rank_hint >= 0:
                 rank = rank_hint
                 explicit = True
-            if c >= end or buf[c] == 32 or last_colon[n] >= c:
-                flag = NOT_PLAIN   # empty message, a continuation, or a `]:` glued inside the message
+            if c >= end or buf[c] == 32 or buf[c] == 9 or last_colon[n] >= c:
+                flag = NOT_PLAIN   # empty message, a continuation (or an indented paste), or a `]:` glued inside the message
         if flag == 0:
             first = buf[c]
             if first == 43 or first == 42 or first == 61 or first == 45 or first == 60:
