@@ -35,6 +35,9 @@ MAX_LAUNCHER_LINES = 200_000
 MAX_STEP_TEXT = 2000
 MAX_WORLD_TEXT = 4000
 _WORLD = re.compile(r"world[_ ]size\s*[=:]\s*(\d{1,7})|global_world_sizes=\[(\d{1,7})", re.IGNORECASE)
+# the launch command (torchrun, torch.distributed.launch/run): processes per node times fixed nodes
+_NPROC = re.compile(r"--nproc[_-]per[_-]node[= ](\d{1,5})\b")
+_NNODES = re.compile(r"--nnodes[= ](\S+)")
 # a progress line's step; not a Slurm step id (`*** STEP 422332.0 ON node01 CANCELLED`, `job step 7.0`)
 STEP = re.compile(r"\b(?:global[_ ])?(?:step|iter(?:ation)?)\b\s*[:=#]?\s*\[?\s*(\d{1,12})\b(?!\.\d)", re.IGNORECASE)
 
@@ -184,6 +187,8 @@ class LineScanner:
                 value = int(m.group(1) or m.group(2))
                 if 0 < value <= 1_000_000:
                     result.world_size = max(result.world_size or 0, value)
+        if "nproc" in text and len(text) < MAX_WORLD_TEXT:
+            _note_launch_world(result, text)
         if ("tep" in text or "ter" in text) and len(text) < MAX_STEP_TEXT:
             note_step(result, slot, source, number, text)
         for hit in (self.matcher.match(text) if may_match else ()):
@@ -195,6 +200,18 @@ class LineScanner:
                 continue
             result.hits.append(Hit(hit.rule, hit.captures, source, number, slot, text, part.block_id,
                                    result.seq, parse_stamp(text)))
+
+
+def _note_launch_world(result: ScanResult, text: str) -> None:
+    """`torchrun --nproc_per_node=4 [--nnodes=2] ...`: the world the launch asked for (not with an
+    elastic node range, `--nnodes=1:4`, whose size the log does not fix)."""
+    m = _NPROC.search(text)
+    if not m:
+        return
+    nodes = _NNODES.search(text)
+    count = nodes.group(1) if nodes else "1"
+    if count.isdigit() and 0 < int(m.group(1)) * int(count) <= 1_000_000:
+        result.world_size = max(result.world_size or 0, int(m.group(1)) * int(count))
 
 
 def _note_rule_timeouts(result: ScanResult, matcher: Matcher) -> None:

@@ -200,3 +200,17 @@ def test_launcher_labels_stay_on_every_glued_piece():
                                         "worker-1: [default0]:[rank 3] step 3 loss 0.2"]
     assert pieces_of("[1,0]<stdout>:[rank0]: Traceback (most recent call last):", PLAIN) == [
         "[1,0]<stdout>:[rank0]: Traceback (most recent call last):"]
+
+
+def test_a_supervisors_constant_tag_on_most_lines_is_stripped_but_a_log_level_is_not():
+    # sample_logs/public46/genetictrading_supervisor_*: a supervisor script tags its torchrun child's lines
+    sample = ["[TRAINING] [rank0]: Traceback (most recent call last):",
+              '[TRAINING] [rank0]:   File "/work/main.py", line 679, in <module>',
+              "[TRAINING] [rank0]: TypeError: run_ga_evolution() got an unexpected keyword argument 'elite_count'",
+              "INFO:__main__:Starting the training process"]
+    dialect = Dialect.detect(sample)
+    assert dialect.wrapper_tag == "TRAINING"
+    parsed = strip_prefixes(sample[2], dialect)
+    assert (parsed.rank, parsed.text) == (0, "TypeError: run_ga_evolution() got an unexpected keyword argument 'elite_count'")
+    assert Dialect.detect(["[INFO] step 1", "[INFO] step 2", "[INFO] step 3"]).wrapper_tag == ""
+    assert Dialect.detect(["[TRAINING] step 1", "step 2", "step 3"]).wrapper_tag == ""

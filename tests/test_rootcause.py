@@ -240,7 +240,7 @@ def test_an_exception_whose_message_starts_on_the_next_line_is_read_with_it(tmp_
                       "    raise AssertionError(msg)\n"
                       "AssertionError: \n"
                       "The NVIDIA driver on your system is too old (found version 10010).\n")["root_cause"]
-    assert (rc["rule_id"], rc["category"], rc["exception_type"]) == ("cuda.no_device", "environment", "AssertionError")
+    assert (rc["rule_id"], rc["category"], rc["exception_type"]) == ("cuda.driver_unusable", "environment", "AssertionError")
 
 def test_a_scheduler_memory_kill_explains_the_stop_signal_before_it(tmp_path):
     # Slurm stops the job (torchrun gets SIGTERM), then slurmstepd says why: the OOM is the root

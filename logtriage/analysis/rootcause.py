@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from logtriage.analysis.childfailed import is_own_failure
-from logtriage.analysis.findings import Finding
+from logtriage.analysis.findings import Finding, short_type
 from logtriage.analysis.roots import ChainLink, ChainRole, RankFacts, RootCause, earliest
 from logtriage.analysis.timeouts import missing_rank_root, named_culprit
 from logtriage.analysis.timestamps import clearly_before
@@ -154,7 +154,9 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
     if not ranks and len(group) >= 2 and len(group) == len(facts.known):
         ranks = tuple(sorted(facts.known))  # one unprefixed copy per rank (before the process group existed)
     if len(ranks) > 1:
-        reasons.append(f"the same error on {len(ranks)} ranks: a code or data bug shared by all")
+        shared = ("the machine or the installation they share" if first.category is Category.ENVIRONMENT
+                  else "a code or data bug shared by all")
+        reasons.append(f"the same error on {len(ranks)} ranks: {shared}")
         first_text: dict[int, str] = {}
         for f in sorted(group, key=lambda f: f.seq):
             if f.rank is not None:
@@ -166,6 +168,10 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
         refined = _refine_rank(first, live, ranks)
         if refined is not None:
             rank = refined
+    elif rank is None and (alike := _all_exited_alike(first, group, live, facts)):
+        rank, ranks = min(alike), alike
+        reasons.append(f"the line carries no rank; it is printed {len(group)} times and all {len(alike)} ranks "
+                       f"exited with the same code: a code or data bug shared by all")
     elif rank is None:
         for find, why in ((lambda: _rank_reporting_the_same(first, live),
                            "the line carries no rank; rank {} reports the same kind of error"),
@@ -196,6 +202,20 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
         rank, ranks = culprit, (culprit,)
         reasons.append(f"a debug report names rank {culprit} as the one that lagged or differed")
     return RootCause(first.rule, first, rank, ranks, confidence, tuple(reasons))
+
+
+def _all_exited_alike(first: Finding, group: list[Finding], live: list[Finding], facts: RankFacts) -> tuple[int, ...]:
+    """An unprefixed exception printed more than once (the copies may be glued together: the same
+    type twice on a line) while every rank exited with the same code and no rank said anything
+    else: every rank raised it (an import error, a bad argument), so it has no single culprit."""
+    etype = short_type(first.exception_type)
+    same = [f for f in live if f.rank is None and f.rule.id == first.rule.id]
+    copies = sum(f.text.count(etype) for f in same) if etype else sum(f in group for f in same)
+    codes = {facts.exit_codes.get(r) for r in facts.known}
+    own = [f for f in live if f.rank is not None and f.rule.id not in _LAUNCHER_EXITS]
+    if len(facts.known) >= 2 and copies >= 2 and len(codes) == 1 and (next(iter(codes)) or 0) > 0 and not own:
+        return tuple(sorted(facts.known))
+    return ()
 
 
 _LAUNCHER_EXITS = frozenset({"signal.exit_nonzero", "signal.sigkill", "signal.sigsegv", "signal.sigabrt",

@@ -7,6 +7,8 @@
                                                    only when the log uses it widely)
                         `Nov 26 23:08:31 `        (a CI console's or syslog's clock, no year, or a Kaggle
                         `704.7s<TAB>1290<TAB>`     notebook log's time and line; likewise)
+    wrapper tag         `[TRAINING] `             (a supervisor script's constant tag; only when the log
+                                                   uses it on most lines)
     pytest report       `E       `                (the failure text of a test, `--tb=long`; `E   ` short;
                                                    when the log shows it on two lines or more)
     srun --label        `3: `                     (the task: a rank, or a node when each task runs torchrun;
@@ -40,6 +42,9 @@ _COLLECTOR_STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:
 _CLOCK_STAMP = re.compile(r"^(?:(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) [ \d]\d \d\d:\d\d:\d\d(?:\.\d{1,9})? "
                           r"|\d{1,7}\.\d{1,3}s\t\d{1,9}\t)")
 _QUOTE = re.compile(r"^> ?")
+# a supervisor's constant tag in front of its child's output (`[TRAINING] [rank0]: ...`): a word, no digits
+_WRAPPER_TAG = re.compile(r"^\[([A-Za-z][A-Za-z_ .-]{1,30})\] ")
+_NOT_TAGS = frozenset("info warn warning error err debug critical fatal trace notice stdout stderr".split())
 _PYTEST_E = re.compile(r"^E {3}(?: {4})?")
 _MPI = re.compile(r"^\[(\d{1,9}),(\d{1,12})\]<(?:stdout|stderr|stddiag)>: ?")
 _HOST = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62}): ")
@@ -72,6 +77,7 @@ class Dialect:
     clock_stamped: bool = False  # every line starts with a clock (`Nov 26 23:08:31 `, Kaggle's `704.7s\t1290\t`)
     pytest: bool = False       # a pytest failure report: the exception's lines start with `E   `
     quoted: bool = False       # every line starts with a Markdown quote's `> `
+    wrapper_tag: str = ""      # most lines start with this supervisor's `[TAG] `
     srun_nodes: bool = False   # srun tasks are nodes (one torchrun each), not ranks
     hosts: frozenset[str] = field(default_factory=frozenset)
     indent: int = 0            # spaces in front of every line: a paste indented as a code block
@@ -79,7 +85,9 @@ class Dialect:
     @cached_property
     def label_patterns(self) -> tuple[tuple[str, re.Pattern], ...]:
         """The per-line labels this log uses, outermost first (decided once, read for every line)."""
+        tag = re.compile("^" + re.escape(f"[{self.wrapper_tag}] ")) if self.wrapper_tag else _WRAPPER_TAG
         used = (("stamp", _COLLECTOR_STAMP, self.stamped), ("stamp", _CLOCK_STAMP, self.clock_stamped),
+                ("tag", tag, bool(self.wrapper_tag)),
                 ("pytest", _PYTEST_E, self.pytest), ("srun", _SRUN, self.srun), ("mpi", _MPI, True),
                 ("host", _HOST, bool(self.hosts)))
         return tuple((layer, pattern) for layer, pattern, on in used if on)
@@ -102,6 +110,9 @@ class Dialect:
         clock_stamped = not stamped and sum(1 for line in lines if _CLOCK_STAMP.match(line)) * 3 >= len(lines) * 2
         if clock_stamped:
             lines = [_CLOCK_STAMP.sub("", line, count=1) for line in lines]
+        wrapper_tag = _wrapper_tag(lines)
+        if wrapper_tag:
+            lines = [line.removeprefix(f"[{wrapper_tag}] ") for line in lines]
         pytest = sum(1 for line in lines if _PYTEST_E.match(line)) >= 2
         srun_hits = sum(1 for line in lines if _SRUN.match(line))
         hosts = Counter()
@@ -122,7 +133,17 @@ class Dialect:
             chosen |= frozenset(named)
         srun = srun_hits * 3 >= len(lines) and srun_hits >= 3
         return cls(srun=srun, stamped=stamped, clock_stamped=clock_stamped, pytest=pytest, quoted=quoted,
+                   wrapper_tag=wrapper_tag,
                    hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines), indent=indent)
+
+
+def _wrapper_tag(lines: list[str]) -> str:
+    """The `[TAG]` a supervisor puts on (nearly) every line, if any; log levels are not tags."""
+    tags = Counter(m.group(1) for m in map(_WRAPPER_TAG.match, lines) if m)
+    if not tags:
+        return ""
+    tag, count = tags.most_common(1)[0]
+    return tag if count * 3 >= len(lines) * 2 and tag.strip().lower() not in _NOT_TAGS else ""
 
 
 def _common_indent(lines: list[str]) -> str:
