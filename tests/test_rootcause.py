@@ -532,3 +532,21 @@ def test_a_message_glued_after_another_processs_progress_bar_is_read_alone(tmp_p
     rc = _report(log, "\rrank 0:  50%|#####     | 3/6 [00:03<00:03,  1.01s/it][FATAL] 检测到训练卡死：超过 4.1 秒无 "
                       "Step 心跳，强行终止进程 (rank 1)\n")["root_cause"]
     assert (rc["rule_id"], rc["rank"]) == ("hang.watchdog_heartbeat", 1)
+
+
+def test_a_file_system_error_in_a_module_named_for_checkpoints_is_a_checkpoint_failure(tmp_path):
+    # facebookresearch/PyTorch-BigGraph#142 (sample_logs/public48/pbg_142_*): the partition file of
+    # the checkpoint is not on this machine
+    log = tmp_path / "pbg.log"
+    rc = _report(log, "Traceback (most recent call last):\n"
+                      '  File "/env/torchbiggraph/checkpoint_storage.py", line 341, in load_entity_partition\n'
+                      '    with h5py.File(path, "r") as hf:\n'
+                      "OSError: Unable to open file (unable to open file: name = '/data/model/embeddings_x_1.v1.h5', "
+                      "errno = 2, error message = 'No such file or directory', flags = 0, o_flags = 0)\n")["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["line"]) == ("checkpoint", "ckpt.io_error", 4)
+    # fairscale's activation checkpointing recomputes a forward pass: no checkpoint file
+    rc = _report(log, "Traceback (most recent call last):\n"
+                      '  File "/env/fairscale/nn/checkpoint/checkpoint_activations.py", line 98, in forward\n'
+                      "    outputs = run_function(*args)\n"
+                      "OSError: [Errno 5] Input/output error\n")["root_cause"]
+    assert rc["category"] != "checkpoint"

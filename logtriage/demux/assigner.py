@@ -27,13 +27,15 @@ _COLLECTIVE_FRAME = re.compile(r'distributed_c10d\.py", line \d+, in (\w+)')
 # `broadcast_object_list(objs, src=0)` (frames print their source line under the `File` line)
 _BROADCAST_SOURCE = re.compile(r'\bbroadcast\w*\(.*\bsrc\s*=\s*(\d{1,9})\b')
 # a frame that saves or loads a checkpoint: its function's name, or torch's own serialization code
+# or any function of a module named for checkpoints (torchbiggraph's checkpoint_storage.py)
 _CHECKPOINT_FRAME = re.compile(
     r', in (\w*(?:checkpoint|ckpt)\w*|(?:save|load)_(?:model|state_dict|pretrained|weights)\w*)\s*$'
-    r'|(torch/serialization\.py|torch/distributed/checkpoint/)', re.IGNORECASE)
+    r'|(torch/serialization\.py|torch/distributed/checkpoint/)'
+    r'|/(\w*(?:checkpoint|ckpt)\w*\.py)", line \d+, in (\w+)', re.IGNORECASE)
 # activation (gradient) checkpointing recomputes a forward pass: not a checkpoint file
 _ACTIVATION_CHECKPOINT = re.compile(
     r"utils/checkpoint\.py|activation_checkpointing|checkpoint_sequential|CheckpointFunction|"
-    r"_checkpoint_without_reentrant|gradient_checkpointing|checkpoint_wrapper", re.IGNORECASE)
+    r"_checkpoint_without_reentrant|gradient_checkpointing|checkpoint_wrapper|checkpoint_activations", re.IGNORECASE)
 # a traceback's frame line: the innermost one says where the process was (waiting, or working);
 # one with at most 4 spaces before it and no `Traceback (...)` above starts a cut traceback
 _FRAME = re.compile(r'^(\s*)File "[^"\n]+", line \d+, in (\S+)')
@@ -260,7 +262,7 @@ class Assigner:
             if "checkpoint" not in block.state and not _ACTIVATION_CHECKPOINT.search(text):
                 m = _CHECKPOINT_FRAME.search(text)
                 if m:
-                    block.state["checkpoint"] = m.group(1) or m.group(2)
+                    block.state["checkpoint"] = m.group(1) or m.group(2) or f"{m.group(4)} ({m.group(3)})"
         if block.kind is B.BlockKind.TRACEBACK and block.bare and _LAUNCHER_FRAME.search(text):
             block.state["launcher"] = True
         if block.kind is B.BlockKind.CHILD_FAILED:
