@@ -20,6 +20,7 @@ PLAIN = Dialect()
     ("[default|rank=1|local=1] [rank1]: Traceback (most recent call last):", 1, 1,
      "Traceback (most recent call last):"),                                                 # prefix template
     ("[1,3]<stdout>:step 5 loss 2.1", 3, None, "step 5 loss 2.1"),                          # OpenMPI --tag-output
+    ("[0]<stderr>:Killed", 0, None, "Killed"),       # horovodrun's gloo launcher (horovod/horovod#2907)
     ("[1,12]<stderr>:Traceback (most recent call last):", 12, None, "Traceback (most recent call last):"),
     ("[rank1]:", 1, None, ""),                                                              # only a prefix
     ("[rank0]:[rank0]: RuntimeError: Missing key", 0, None, "RuntimeError: Missing key"),   # doubled (torch 2.6)

@@ -13,7 +13,7 @@
                                                    when the log shows it on two lines or more)
     srun --label        `3: `                     (the task: a rank, or a node when each task runs torchrun;
                                                    only when the log uses it widely)
-    OpenMPI tag-output  `[1,3]<stdout>:`          (global rank)
+    OpenMPI tag-output  `[1,3]<stdout>:`          (global rank; horovodrun's gloo launcher: `[3]<stdout>:`)
     pdsh / DeepSpeed    `worker-3: `              (host; only for hosts the log uses widely)
     Ray log monitor     `(RayTrainWorker pid=1234, ip=10.0.0.5) `   (a Ray worker process; no rank)
                         and SkyPilot's `(worker1, rank=1, pid=914, ip=10.1.145.81) ` (a node's rank)
@@ -46,7 +46,8 @@ _QUOTE = re.compile(r"^> ?")
 _WRAPPER_TAG = re.compile(r"^\[([A-Za-z][A-Za-z_ .-]{1,30})\] ")
 _NOT_TAGS = frozenset("info warn warning error err debug critical fatal trace notice stdout stderr".split())
 _PYTEST_E = re.compile(r"^E {3}(?: {4})?")
-_MPI = re.compile(r"^\[(\d{1,9}),(\d{1,12})\]<(?:stdout|stderr|stddiag)>: ?")
+# Open MPI's `[job,rank]<stderr>:`; horovodrun's own (gloo) launcher writes `[rank]<stderr>:`
+_MPI = re.compile(r"^\[(?:(\d{1,9}),)?(\d{1,12})\]<(?:stdout|stderr|stddiag)>: ?")
 _HOST = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62}): ")
 _RAY = re.compile(r"^\((?:[A-Za-z_][\w.-]{0,60} |[\w.-]{1,60}, rank=(\d{1,9}), )?pid=\d{1,9}(?:, ip=[0-9A-Fa-f.:]{3,45})?\) ")
 _STREAM_TAG = re.compile(r"^\[std(?:out|err)\] ?")
