@@ -28,6 +28,9 @@ PLAIN = Dialect()
     ("(Runner pid=868697) Error while creating shared memory segment /dev/shm/nccl-UmqSM9 (size 7340384)",
      None, None, "Error while creating shared memory segment /dev/shm/nccl-UmqSM9 (size 7340384)"),
     ("(RayTrainWorker pid=4121, ip=10.0.0.5) [rank1]: KeyError: 'labels'", 1, None, "KeyError: 'labels'"),
+    # a vLLM worker names its rank (vllm-project/vllm#14452)
+    ("(VllmWorker rank=0 pid=10672) ERROR 03-16 06:12:38 [multiproc_executor.py:375] torch.OutOfMemoryError: x", 0,
+     None, "ERROR 03-16 06:12:38 [multiproc_executor.py:375] torch.OutOfMemoryError: x"),
     ("(pid=77) step 3", None, None, "step 3"),
     # a wrapper's stream tag glued to the message (pytorch/pytorch#77737)
     ("[stderr]ModuleNotFoundError: No module named 'tensorboard'", None, None,

@@ -47,7 +47,7 @@ _INFO_LINE = re.compile(r"^\[?I\d{3,4} \d\d:\d\d:\d\d")
 _MASK = re.compile(r"0x[0-9a-fA-F]+|\d+")
 # pytest's short test summary: `FAILED tests/test_x.py::test_y - RuntimeError: ...`
 _PYTEST_SUMMARY = re.compile(r"^(?:FAILED|ERROR) \S+::\S+ - ")
-_VLLM_LOGGER = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d [\w.-]+\.py:\d+\] ")
+_VLLM_LOGGER = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[?[\w.-]+\.py:\d+\] ")
 
 
 @dataclass(frozen=True)

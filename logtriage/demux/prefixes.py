@@ -16,6 +16,7 @@
     OpenMPI tag-output  `[1,3]<stdout>:`          (global rank; horovodrun's gloo launcher: `[3]<stdout>:`)
     pdsh / DeepSpeed    `worker-3: `              (host; only for hosts the log uses widely)
     Ray log monitor     `(RayTrainWorker pid=1234, ip=10.0.0.5) `   (a Ray worker process; no rank)
+                        vLLM's `(VllmWorker rank=0 pid=10672) `     (a vLLM worker: its rank)
                         and SkyPilot's `(worker1, rank=1, pid=914, ip=10.1.145.81) ` (a node's rank)
     stream tag          `[stderr]` `[stdout]` (a wrapper's, glued to the message; no rank)
     torchrun --tee      `[default0]:` `[trainer1]:` `[gpu187:2]:`   (local rank)
@@ -49,7 +50,10 @@ _PYTEST_E = re.compile(r"^E {3}(?: {4})?")
 # Open MPI's `[job,rank]<stderr>:`; horovodrun's own (gloo) launcher writes `[rank]<stderr>:`
 _MPI = re.compile(r"^\[(?:(\d{1,9}),)?(\d{1,12})\]<(?:stdout|stderr|stddiag)>: ?")
 _HOST = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62}): ")
-_RAY = re.compile(r"^\((?:[A-Za-z_][\w.-]{0,60} |[\w.-]{1,60}, rank=(\d{1,9}), )?pid=\d{1,9}(?:, ip=[0-9A-Fa-f.:]{3,45})?\) ")
+# a Ray worker `(RayTrainWorker pid=1234, ip=...)`, a vLLM worker `(VllmWorker rank=0 pid=10672)` (its
+# rank), or SkyPilot's `(worker1, rank=1, pid=914, ip=...)` (a node's number)
+_RAY = re.compile(r"^\((?:[A-Za-z_][\w.-]{0,60} (?:rank=(\d{1,9}) )?|[\w.-]{1,60}, rank=(\d{1,9}), )?"
+                  r"pid=\d{1,9}(?:, ip=[0-9A-Fa-f.:]{3,45})?\) ")
 _STREAM_TAG = re.compile(r"^\[std(?:out|err)\] ?")
 _TEE = re.compile(r"^\[([A-Za-z_][A-Za-z_-]*?)(\d{1,7})\]:")
 _TEE_HOST = re.compile(r"^\[([A-Za-z0-9][A-Za-z0-9_.-]*):(\d{1,7})\]:")
@@ -243,7 +247,9 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
     if m:
         text = text[m.end():]
         if m.group(1) is not None:
-            host = f"node{int(m.group(1))}"   # SkyPilot numbers nodes; the processes' ranks come after
+            rank = int(m.group(1))
+        if m.group(2) is not None:
+            host = f"node{int(m.group(2))}"   # SkyPilot numbers nodes; the processes' ranks come after
         layers.append("ray")
     m = _STREAM_TAG.match(text) if text[:4] == "[std" else None
     if m:
