@@ -16,6 +16,8 @@ PLAIN = Dialect()
      "[I1130 00:01:08.161225451 reducer.cpp:132] Reducer initialized"),                    # C++ log rank
     ("[default1]:[rank1]: Traceback (most recent call last):", 1, 1, "Traceback (most recent call last):"),
     ("[trainer0]:[rank 0] step 1 loss 0.1842", None, 0, "[rank 0] step 1 loss 0.1842"),   # --role trainer
+    ("[rank0]:NotImplementedError: x", None, 0, "NotImplementedError: x"),                  # --role rank (torchtitan)
+    ("[rank0]:[rank0]: Traceback (most recent call last):", 0, None, "Traceback (most recent call last):"),
     ("[gpu187:2]:RuntimeError: CUDA error", None, 2, "RuntimeError: CUDA error"),           # role with host
     ("[default|rank=1|local=1] [rank1]: Traceback (most recent call last):", 1, 1,
      "Traceback (most recent call last):"),                                                 # prefix template

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from logtriage.analysis.childfailed import ChildFailure, is_killed, is_own_failure, parse_child_failures
 from logtriage.analysis.environment import Environment, collect_environment
 from logtriage.analysis.exceptions import (checkpoint_io, error_file_exception, frame_reading,
-                                           probe_json_without_banner)
+                                           probe_json_without_banner, same_error_in_summary)
 from logtriage.analysis.findings import Finding, resolve_findings
 from logtriage.analysis.hangs import (
     fallback_rule,
@@ -100,7 +100,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is None and failures:
         root = _exit_only_root(failures, catalog)
     if root is not None and failures:
-        root = error_file_exception(root, failures, catalog)
+        root = same_error_in_summary(error_file_exception(root, failures, catalog), failures)
     if root is None:
         root = _cut_traceback(scan, keys, catalog)
     if root is None:

@@ -143,3 +143,34 @@ def error_file_exception(root: RootCause, failures: list[ChildFailure], catalog:
     return RootCause(rule, finding, failure.rank, ranks, 0.6, (
         f"rank {failure.rank} exited with code {failure.exitcode}; the launcher's summary shows its error file: "
         f"{kind}",))
+
+
+_NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+")
+SHARED_MESSAGE_CHARS = 120   # how much of two exceptions' messages must agree (numbers masked)
+
+
+def same_error_in_summary(root: RootCause, failures: list[ChildFailure]) -> RootCause:
+    """The launcher's summary shows each failed worker's error file (`@record`). Workers whose
+    error file holds the very exception the root reports raised it too: one bug on several ranks,
+    though the console (`--local-ranks-filter`, a cut paste) showed only one of them."""
+    f = root.finding
+    if f is None or not failures:
+        return root
+    own = _exception_key(f.text) or _exception_key(f.block_exception)
+    if own is None:
+        return root
+    sharing = {fl.rank for fl in failures if fl.rank is not None and _exception_key(fl.exception) == own}
+    ranks = tuple(sorted(sharing | set(root.ranks) | ({root.rank} if root.rank is not None else set())))
+    if len(sharing) < 2 or ranks == tuple(sorted(root.ranks)):
+        return root
+    return replace(root, ranks=ranks, rank=root.rank if root.rank is not None else ranks[0], reasons=root.reasons + (
+        f"the launcher's summary shows the same exception in the error files of {len(sharing)} ranks",))
+
+
+def _exception_key(text: str) -> tuple[str, str] | None:
+    """An exception line's short type and the start of its message, numbers masked."""
+    kind = short_type(exception_type_of(text or ""))
+    if not kind:
+        return None
+    message = text.split(": ", 1)[1] if ": " in text else ""
+    return kind, _NUMBERS.sub("#", message.strip())[:SHARED_MESSAGE_CHARS]

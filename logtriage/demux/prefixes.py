@@ -261,7 +261,9 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
         layers.append("tee")
     else:
         m = _TEE.match(text)
-        if m and m.group(1) != "rank":
+        # `[rank0]:` is torch's excepthook prefix (a space or a C++ log header after it), or the
+        # --tee header of `--role rank` (the message right after it: `[rank0]:NCCL version 2.29.7`)
+        if m and (m.group(1) != "rank" or not _EXCEPTHOOK.match(text)):
             local, text = int(m.group(2)), text[m.end():]
             layers.append("tee")
     m = _TEMPLATE.match(text)
