@@ -550,3 +550,23 @@ def test_a_file_system_error_in_a_module_named_for_checkpoints_is_a_checkpoint_f
                       "    outputs = run_function(*args)\n"
                       "OSError: [Errno 5] Input/output error\n")["root_cause"]
     assert rc["category"] != "checkpoint"
+
+
+def test_a_shared_exception_in_the_launchers_error_files_names_every_rank_that_raised_it(tmp_path):
+    # pytorch/torchtitan run logs (sample_logs/public54/torchtitan_*): `--local-ranks-filter 0` shows
+    # rank 0 only, the summary shows every rank's error file
+    entry = ("[{i}]:\n  time      : 2026-05-19_21:22:15\n  host      : host-a\n  rank      : {r} (local_rank: {r})\n"
+             "  exitcode  : 1 (pid: 41227{r})\n  error_file: /tmp/torchelastic/attempt_0/{r}/error.json\n"
+             "  traceback : Traceback (most recent call last):\n"
+             '    File "/x/torchtitan/trainer.py", line 689, in forward_backward_step\n'
+             "  ModuleNotFoundError: No module named 'flash_attn_3'\n")
+    log = tmp_path / "summary.log"
+    rc = _report(log, "[rank0]:[rank0]: ModuleNotFoundError: No module named 'flash_attn_3'\n"
+                      "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+                      "============================================================\ntrain FAILED\n"
+                      "------------------------------------------------------------\nFailures:\n"
+                      + entry.format(i=1, r=1) + entry.format(i=2, r=2)
+                      + "------------------------------------------------------------\n"
+                      "Root Cause (first observed failure):\n" + entry.format(i=0, r=0)
+                      + "============================================================\n")["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["ranks"]) == ("python.module_not_found", 0, [0, 1, 2])

@@ -70,8 +70,12 @@ def _exception_type(scan: ScanResult, diag: Diagnosis, finding: Finding) -> str 
     stream = finding.stream
     if stream.kind is StreamKind.LAUNCHER:
         return None   # a launcher line about a worker: the launcher's own traceback is not its cause
-    for other in diag.findings:   # the same error again soon after, as an exception line (spliced pastes)
-        if (other.rule.id == finding.rule.id and other.stream == stream and other.exception_type
+    # the same error again soon after, as an exception line (spliced pastes; an unprefixed C++ warning
+    # of torchrun's store, then the agent's own traceback ending in that error)
+    for other in diag.findings:
+        same_process = other.stream == stream or (stream.kind is StreamKind.UNATTRIBUTED
+                                                  and other.stream.kind is StreamKind.LAUNCHER)
+        if (other.rule.id == finding.rule.id and same_process and other.exception_type
                 and other.source == finding.source and finding.line < other.line <= finding.line + NEARBY_LINES):
             return other.exception_type
     for block_id, (source, first, _) in sorted(scan.blocks.items(), key=lambda kv: kv[1][1]):
