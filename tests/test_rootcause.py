@@ -570,3 +570,20 @@ def test_a_shared_exception_in_the_launchers_error_files_names_every_rank_that_r
                       "Root Cause (first observed failure):\n" + entry.format(i=0, r=0)
                       + "============================================================\n")["root_cause"]
     assert (rc["rule_id"], rc["rank"], rc["ranks"]) == ("python.module_not_found", 0, [0, 1, 2])
+
+
+def test_srun_reporting_a_ranks_crash_confirms_that_ranks_own_earlier_error(tmp_path):
+    # sample_logs/public47/nerscpt_*_no_route_to_host_*: rank 4's NCCL bootstrap error, then srun's
+    # report that task 4 segfaulted; the report says how the rank ended, the error why
+    log = tmp_path / "srun.log"
+    report = ("4: node02:53622:56536 [0] include/socket.h:406 NCCL WARN Connect to 10.9.0.2<42427> failed : "
+              "No route to host\n"
+              "4: node02:53622:56536 [0] NCCL INFO bootstrap.cc:354 -> 2\n"
+              "0: step 1 loss 0.25\n1: step 1 loss 0.25\n2: step 1 loss 0.25\n3: step 1 loss 0.25\n"
+              "srun: error: node02: task 4: Segmentation fault\n")
+    rc = _report(log, report)["root_cause"]
+    assert (rc["rule_id"], rc["rank"]) == ("nccl.bootstrap", 4)
+    # with no error of its own before it, the crash the launcher reports is the root, with its rank
+    rc = _report(log, "0: step 1 loss 0.25\n1: step 1 loss 0.25\n2: step 1 loss 0.25\n"
+                      "srun: error: node02: task 1: Segmentation fault\n")["root_cause"]
+    assert (rc["rule_id"], rc["rank"]) == ("signal.sigsegv", 1)

@@ -28,7 +28,7 @@ FALLBACK_REACH = 3   # input lines after an error within which such a line is it
 
 def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
     live = _not_recovered([f for f in findings if f.is_error and not f.is_teardown], findings)
-    roots = [f for f in live if f.role is Role.ROOT_CANDIDATE]
+    roots = [f for f in live if f.role is Role.ROOT_CANDIDATE and not _reports_death_after_own_error(f, live)]
     if roots:
         before = _errors_before_stop(roots, live)
         if before:
@@ -73,6 +73,17 @@ def _errors_before_stop(roots: list[Finding], live: list[Finding]) -> list[Findi
     return [f for f in live if f.role is Role.EITHER and f.category not in _STOP_ECHOES
             and f.attributed_by != "launcher" and not _explained(f, live)
             and earliest([f, stop]) is f and f.seq < stop.seq]
+
+
+def _reports_death_after_own_error(finding: Finding, live: list[Finding]) -> bool:
+    """A launcher's or scheduler's report that a rank died of a signal (srun's `task 4: Segmentation
+    fault`, mpirun's `process rank 4 ... exited on signal 11`) after that rank printed an error of
+    its own: the report confirms how the rank ended, the rank's own error says why."""
+    if finding.category is not Category.CRASH_SIGNAL or finding.rank is None \
+            or finding.attributed_by not in ("capture", "launcher") or finding.stream.kind is StreamKind.RANK:
+        return False
+    return any(other.rank == finding.rank and other.stream.kind is StreamKind.RANK and other.seq < finding.seq
+               and other.category is not Category.CRASH_SIGNAL for other in live)
 
 
 def _not_recovered(live: list[Finding], findings: list[Finding]) -> list[Finding]:
