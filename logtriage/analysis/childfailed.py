@@ -33,6 +33,10 @@ class ChildFailure:
     line: int            # the entry's `exitcode` line (or its `[i]:` line)
     exception: str = ""  # the worker's exception, from the error file the `traceback :` field shows
     exception_line: int | None = None
+    message: str = ""    # the lines after that exception line (a multi-line message, NCCL's `Last error:`)
+
+
+MESSAGE_LINES = 4   # how many lines after an error file's exception line still belong to its message
 
 
 def parse_child_failures(launcher_lines: list[tuple[int, int, str]]) -> list[ChildFailure]:
@@ -77,6 +81,9 @@ def parse_child_failures(launcher_lines: list[tuple[int, int, str]]) -> list[Chi
             if text.startswith("  ") and not _FIELD.match(text):
                 if EXCEPTION_HEAD.match(text.strip()):
                     current["exception"], current["exception_line"] = text.strip(), number
+                    current["message"] = ""
+                elif "exception" in current and current["message"].count("\n") < MESSAGE_LINES:
+                    current["message"] += text.strip() + "\n"
                 continue
             _flush(current, entries)
             current = None
@@ -116,7 +123,7 @@ def _flush(current: dict | None, entries: list[ChildFailure]) -> None:
         exitcode=current.get("exitcode"), pid=current.get("pid"), signal=current.get("signal"),
         time=current.get("time"), traceback=current.get("traceback", ""), is_root_cause=current["root"],
         source=current["source"], line=current["line"], exception=current.get("exception", ""),
-        exception_line=current.get("exception_line")))
+        exception_line=current.get("exception_line"), message=current.get("message", "")))
 
 
 SIGNALS = {1: "SIGHUP", 2: "SIGINT", 3: "SIGQUIT", 4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE",

@@ -100,7 +100,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is None and failures:
         root = _exit_only_root(failures, catalog)
     if root is not None and failures:
-        root = same_error_in_summary(error_file_exception(root, failures, catalog), failures)
+        root = same_error_in_summary(error_file_exception(root, failures, catalog), failures, catalog)
     if root is None:
         root = _cut_traceback(scan, keys, catalog)
     if root is None:

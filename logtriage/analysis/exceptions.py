@@ -145,21 +145,23 @@ def error_file_exception(root: RootCause, failures: list[ChildFailure], catalog:
         f"{kind}",))
 
 
-_NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+")
+_NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)? ?(?:[KMGTP]i?B|bytes)\b|\d+")   # sizes with their unit
 SHARED_MESSAGE_CHARS = 120   # how much of two exceptions' messages must agree (numbers masked)
 
 
-def same_error_in_summary(root: RootCause, failures: list[ChildFailure]) -> RootCause:
+def same_error_in_summary(root: RootCause, failures: list[ChildFailure], catalog: Catalog) -> RootCause:
     """The launcher's summary shows each failed worker's error file (`@record`). Workers whose
-    error file holds the very exception the root reports raised it too: one bug on several ranks,
-    though the console (`--local-ranks-filter`, a cut paste) showed only one of them."""
+    error file holds the very exception the root reports, or an error the root's rule reads
+    (every rank out of GPU memory, each at its own size), failed alike: one cause on several
+    ranks, though the console (`--local-ranks-filter`, a cut paste) showed only one of them."""
     f = root.finding
-    if f is None or not failures:
+    if f is None or not any(fl.exception for fl in failures):
         return root
     own = _exception_key(f.text) or _exception_key(f.block_exception)
-    if own is None:
-        return root
-    sharing = {fl.rank for fl in failures if fl.rank is not None and _exception_key(fl.exception) == own}
+    sharing = {fl.rank for fl in failures if fl.rank is not None and fl.exception and (
+        (own is not None and _exception_key(fl.exception) == own)
+        or any(h.rule.id == root.rule.id for line in (fl.exception, *fl.message.splitlines())
+               for h in match_line(catalog, line)))}
     ranks = tuple(sorted(sharing | set(root.ranks) | ({root.rank} if root.rank is not None else set())))
     if len(sharing) < 2 or ranks == tuple(sorted(root.ranks)):
         return root

@@ -116,7 +116,7 @@ def exception_type_of(text: str) -> str | None:
     else:
         logger = _VLLM_LOGGER.match(text) or _PYTEST_SUMMARY.match(text)
         text = text[logger.end():] if logger else text
-    m = EXCEPTION_HEAD.match(text.lstrip("*_`"))
+    m = EXCEPTION_HEAD.match(text.lstrip(" \t").lstrip("*_`"))   # indented: an error file's, in the launcher's summary
     return m.group(1) if m else None
 
 
