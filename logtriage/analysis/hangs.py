@@ -9,7 +9,7 @@ from collections import Counter
 
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.nccl_ranks import SETUP_RULE
-from logtriage.analysis.rootcause import missing_from_barrier
+from logtriage.analysis.rank_evidence import missing_from_barrier
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.catalog.loader import Catalog
 from logtriage.rank_ranges import ranges

@@ -1,0 +1,109 @@
+"""Which rank an error belongs to when its own line does not say: the launcher's reports and
+exit codes, the ranks that printed the same kind of error, the first rank whose progress shows
+it, the odd one out of DETAIL's collective fingerprints, the ranks missing from a start-up barrier."""
+
+from __future__ import annotations
+
+from logtriage.analysis.childfailed import is_own_failure
+from logtriage.analysis.findings import Finding, short_type
+from logtriage.analysis.roots import RankFacts, earliest
+from logtriage.catalog.rule import Category, Role
+from logtriage.scan import STEP
+
+
+def all_exited_alike(first: Finding, group: list[Finding], live: list[Finding], facts: RankFacts) -> tuple[int, ...]:
+    """An unprefixed exception printed more than once (the copies may be glued together: the same
+    type twice on a line) while every rank exited with the same code and no rank said anything
+    else: every rank raised it (an import error, a bad argument), so it has no single culprit."""
+    etype = short_type(first.exception_type)
+    same = [f for f in live if f.rank is None and f.rule.id == first.rule.id]
+    copies = sum(f.text.count(etype) for f in same) if etype else sum(f in group for f in same)
+    codes = {facts.exit_codes.get(r) for r in facts.known}
+    own = [f for f in live if f.rank is not None and f.rule.id not in _LAUNCHER_EXITS]
+    if len(facts.known) >= 2 and copies >= 2 and len(codes) == 1 and (next(iter(codes)) or 0) > 0 and not own:
+        return tuple(sorted(facts.known))
+    return ()
+
+
+_LAUNCHER_EXITS = frozenset({"signal.exit_nonzero", "signal.sigkill", "signal.sigsegv", "signal.sigabrt",
+                             "signal.sigbus", "signal.other_signal", "launcher.spawn_child_error"})
+
+
+def rank_the_launcher_saw_fail(live: list[Finding]) -> int | None:
+    """The first worker the launcher reported failing with its own exit (torchrun's
+    `failed (exitcode: 1) local_rank: 1`, mp.spawn's process N, composer's `Rank N crashed`)."""
+    exits = [f for f in live if f.rule.id in _LAUNCHER_EXITS and f.rank is not None]
+    return min(exits, key=lambda f: f.seq).rank if exits else None
+
+
+def missing_from_barrier(findings: list[Finding]) -> list[int]:
+    """Ranks absent from a start-up barrier: every rank that arrived says so (`for rank: N ...
+    (world_size=W, worker_count=C)`); when all C of them are in the log, the others are missing."""
+    reporters = {int(f.captures["self_rank"]) for f in findings if f.captures.get("self_rank", "").isdigit()}
+    world = max((int(f.captures["world_size"]) for f in findings if f.captures.get("world_size", "").isdigit()),
+                default=0)
+    arrived = max((int(f.captures["worker_count"]) for f in findings if f.captures.get("worker_count", "").isdigit()),
+                  default=0)
+    if not world or world > 65536 or not reporters or len(reporters) < arrived:
+        return []
+    return sorted(set(range(world)) - reporters)
+
+
+def rank_reporting_the_same(first: Finding, live: list[Finding]) -> int | None:
+    """An unattributed error (a CUDA kernel's assert printed without a prefix) belongs to the one
+    rank that reports an error of the same category (its NCCL watchdog: 'CUDA error: device-side
+    assert triggered')."""
+    ranks = {f.rank for f in live if f.rank is not None and f.category is first.category}
+    return next(iter(ranks)) if len(ranks) == 1 else None
+
+
+def refine_rank(first: Finding, live: list[Finding], ranks: tuple[int, ...]) -> int | None:
+    """Among ranks sharing one error, an earlier single-rank sign of the same kind names the
+    culprit (e.g. the rank whose loss went NaN first before every rank's grad-norm check failed)."""
+    if first.category is not Category.NUMERICAL:
+        return None
+    by_step = _first_step_per_rank([f for f in live if f.rule.id == first.rule.id and f.rank is not None])
+    if by_step:
+        lowest = min(by_step.values())
+        went_first = [r for r, step in by_step.items() if step == lowest]
+        if len(went_first) == 1 and len(by_step) > 1:
+            return went_first[0]   # ranks print at their own pace: the step, not the line order, says who went first
+    signs = [f for f in live if f.category is first.category and f.rank is not None
+             and f.signature != first.signature and f.role is not Role.CASCADE_CANDIDATE]
+    if not signs:
+        return None
+    return earliest(signs).rank
+
+
+def _first_step_per_rank(findings: list[Finding]) -> dict[int, int]:
+    steps: dict[int, int] = {}
+    for f in sorted(findings, key=lambda f: f.seq):
+        m = STEP.search(f.text)
+        if m and f.rank is not None:
+            steps.setdefault(f.rank, int(m.group(1)))
+    return steps
+
+
+def mismatch_odd_one_out(live: list[Finding]) -> int | None:
+    """With DETAIL, each rank names its own collective fingerprint and another rank's. The rank
+    whose fingerprint differs from the majority's is the one running different code or data."""
+    prints: dict[int, tuple] = {}
+    for f in live:
+        c = f.captures
+        if f.rule.id != "dist.collective_mismatch" or "self_rank" not in c or "other_rank" not in c:
+            continue
+        prints.setdefault(int(c["self_rank"]), (c.get("op"), c.get("shape"), c.get("dtype")))
+        prints.setdefault(int(c["other_rank"]), (c.get("other_op"), c.get("other_shape"), c.get("other_dtype")))
+    if len(prints) < 3:
+        return None
+    counts: dict[tuple, int] = {}
+    for fingerprint in prints.values():
+        counts[fingerprint] = counts.get(fingerprint, 0) + 1
+    majority = max(counts.values())
+    odd = [r for r, fp in prints.items() if counts[fp] < majority]
+    return odd[0] if len(odd) == 1 and list(counts.values()).count(majority) == 1 else None
+
+
+def rank_from_exit_codes(facts: RankFacts) -> int | None:
+    own = [r for r, code in facts.exit_codes.items() if is_own_failure(code)]
+    return own[0] if len(own) == 1 else None
