@@ -85,7 +85,7 @@ class Dialect:
     wrapper_tag: str = ""      # most lines start with this supervisor's `[TAG] `
     srun_nodes: bool = False   # srun tasks are nodes (one torchrun each), not ranks
     hosts: frozenset[str] = field(default_factory=frozenset)
-    indent: int = 0            # spaces in front of every line: a paste indented as a code block
+    indent: int = 0            # blanks in front of every line: a paste indented as a code block (or by tabs)
 
     @cached_property
     def label_patterns(self) -> tuple[tuple[str, re.Pattern], ...]:
