@@ -131,7 +131,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
             verdict = Verdict.HUNG
     if root is None:   # the log's end: an error no rule knows fails the run, else the output just stops
         tail = log_tail(scan, findings, facts)
-        root = unknown_error_line(scan, keys, tail, catalog)
+        root = unknown_error_line(scan, keys, tail, catalog, frozenset((f.source, f.line) for f in findings))
         verdict = Verdict.FAILED if root is not None else Verdict.OK
         if root is None:
             root = output_stopped(scan, keys, tail, facts, catalog)

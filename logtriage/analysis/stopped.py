@@ -65,9 +65,10 @@ def output_stopped(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]
 
 
 def unknown_error_line(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine],
-                       catalog: Catalog) -> RootCause | None:
-    """The first line of the log's end (`tail`) that says error in plain words when no rule matched
-    anything: the run failed of an error the catalog does not know."""
+                       catalog: Catalog, known: frozenset[tuple[int, int]] = frozenset()) -> RootCause | None:
+    """The first line of the log's end (`tail`) that says error in plain words when no error rule
+    matched anything: the run failed of an error the catalog does not know. A line a rule reads
+    (`known`: source, line) is not unknown, even when that rule calls it harmless."""
     by_source: dict[int, list[TailLine]] = {}
     for t in tail:
         by_source.setdefault(t[0], []).append(t)
@@ -75,7 +76,8 @@ def unknown_error_line(scan: ScanResult, keys: list[StreamKey], tail: list[TailL
     for own in by_source.values():     # log_tail lists the inputs in order
         progress = max((i for i, t in enumerate(own) if STEP.search(t[2])), default=-1)
         line = next((t for t in own[progress + 1:]     # progress after an error: the run went on
-                     if _ERROR_LINE.search(t[2]) and not _NOT_ERROR.search(t[2])), None)
+                     if _ERROR_LINE.search(t[2]) and not _NOT_ERROR.search(t[2]) and (t[0], t[1]) not in known),
+                    None)
         if line is not None:
             break
     if line is None:

@@ -91,10 +91,16 @@ def _odd_collective(timeouts: list[Finding]) -> int | None:
 
 
 def _broadcast_source(timeouts: list[Finding]) -> int | None:
-    """Every timeout was in a broadcast from one source rank (its call's `src=` in the traceback):
-    the receivers waited for that rank to send."""
-    sources = {f.broadcast_src for f in timeouts}
+    """Every timeout was in a broadcast from one source rank (its call's `src=` in the traceback, or
+    the rank whose ncclUniqueId a rank waited for in the store): the receivers waited for that rank
+    to send."""
+    sources = {_peer_waited_for(f) if f.broadcast_src is None else f.broadcast_src for f in timeouts}
     return next(iter(sources)) if len(sources) == 1 else None
+
+
+def _peer_waited_for(finding: Finding) -> int | None:
+    peer = finding.captures.get("peer", "") if finding.rule.id == "nccl.unique_id_timeout" else ""
+    return int(peer) if peer.isdigit() else None
 
 
 def _behind(facts: RankFacts, ranks: set[int]) -> int | None:
