@@ -587,3 +587,19 @@ def test_srun_reporting_a_ranks_crash_confirms_that_ranks_own_earlier_error(tmp_
     rc = _report(log, "0: step 1 loss 0.25\n1: step 1 loss 0.25\n2: step 1 loss 0.25\n"
                       "srun: error: node02: task 1: Segmentation fault\n")["root_cause"]
     assert (rc["rule_id"], rc["rank"]) == ("signal.sigsegv", 1)
+
+
+def test_a_rank_that_timed_out_fetching_ncclUniqueId_waited_for_the_rank_it_names(tmp_path):
+    # hiyouga/LlamaFactory#81 (sample_logs/public64/llamafactory81_*): the line without its `[N] is `
+    log = tmp_path / "uid.log"
+    rc = _report(log, "setting up NCCL communicator and retreiving ncclUniqueId from [0] via c10d key-value store "
+                      "by key '0', but store->get('0') got error: Socket Timeout\n")["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("nccl.unique_id_timeout", "collective_timeout", 0)
+
+
+def test_a_warning_a_rule_reads_is_no_unknown_error_and_the_output_that_stops_after_it_is_a_hang(tmp_path):
+    # aws/aws-ofi-nccl#174 (sample_logs/public64/awsofinccl174_*): no EFA, the plugin steps aside
+    log = tmp_path / "ofi.log"
+    report = _report(log, "algo-1:249:249 [0] ofi_init:1288 NCCL WARN NET/OFI Only EFA provider is supported\n"
+                          "algo-1:249:249 [0] ofi_init:1339 NCCL WARN NET/OFI aws-ofi-nccl initialization failed\n")
+    assert (report["verdict"], report["root_cause"]["rule_id"]) == ("hung", "hang.output_stopped")
