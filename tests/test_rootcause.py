@@ -11,6 +11,12 @@ def _report(log, text: str) -> dict:
     return triage([str(log)]).to_dict()
 
 
+def _traceback(path: str, line: int, function: str, code: str, *tail: str) -> str:
+    """A one-frame Python traceback as printed, then its exception line(s)."""
+    return (f'Traceback (most recent call last):\n  File "{path}", line {line}, in {function}\n    {code}\n'
+            + "".join(t + "\n" for t in tail))
+
+
 def test_the_exception_line_is_reported_not_the_raise_line_above_it(tmp_path):
     # a rule that names the exception type also matches the frame's code line `raise X(`
     log = tmp_path / "r.log"
@@ -146,12 +152,10 @@ def test_pytorchs_test_harness_reports_belong_to_the_process_they_name(tmp_path)
     # pytorch/pytorch#60652 (sample_logs/public38/pytorch60652_*): MultiProcessTestCase ends its
     # own exception with the child's; deepspeedai/DeepSpeed#5330's pytest summary lines
     log = tmp_path / "h.log"
-    rc = _report(log, "Traceback (most recent call last):\n"
-                      '  File "common_distributed.py", line 633, in _check_return_codes\n'
-                      "    raise RuntimeError(error)\n"
-                      "RuntimeError: Process 0 exited with error code 10 and exception:\n"
-                      "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer "
-                      "[172.17.0.2]:21400\n")["root_cause"]
+    rc = _report(log, _traceback("common_distributed.py", 633, "_check_return_codes", "raise RuntimeError(error)",
+                                 "RuntimeError: Process 0 exited with error code 10 and exception:",
+                                 "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed "
+                                 "by peer [172.17.0.2]:21400"))["root_cause"]
     assert (rc["rule_id"], rc["rank"], rc["line"]) == ("gloo.connection_closed", 0, 5)
     rc = _report(log, "FAILED unit/comm/test_dist.py::TestDistAllReduce::test - torch.distributed.DistBackendError: "
                       "NCCL error in: ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1691, internal error, "
@@ -220,10 +224,9 @@ def test_a_valueerror_in_torchruns_own_option_parsing_is_a_launch_usage_error(tm
     # open-mmlab/mmaction2#1476 (sample_logs/public43/mmaction2_1476_*): dist_train.sh's arguments
     # shifted, so `--work-dir` landed in --nproc_per_node
     log = tmp_path / "n.log"
-    rc = _report(log, 'Traceback (most recent call last):\n'
-                      '  File "/env/torch/distributed/run.py", line 564, in determine_local_world_size\n'
-                      "    return int(nproc_per_node)\n"
-                      "ValueError: invalid literal for int() with base 10: '--work-dir'\n")["root_cause"]
+    rc = _report(log, _traceback("/env/torch/distributed/run.py", 564, "determine_local_world_size",
+                                 "return int(nproc_per_node)",
+                                 "ValueError: invalid literal for int() with base 10: '--work-dir'"))["root_cause"]
     assert (rc["rule_id"], rc["category"]) == ("launcher.torchrun_usage", "launch_usage")
     # the same ValueError followed by the launcher's chained traceback: its own frame still counts
     rc = _report(log, log.read_text() + "\nDuring handling of the above exception, another exception occurred:\n\n"
@@ -235,11 +238,9 @@ def test_a_valueerror_in_torchruns_own_option_parsing_is_a_launch_usage_error(tm
 def test_an_exception_whose_message_starts_on_the_next_line_is_read_with_it(tmp_path):
     # torch 1.x's driver check (sample_logs/public43/trixie_9_*): `AssertionError: ` then the message
     log = tmp_path / "a.log"
-    rc = _report(log, 'Traceback (most recent call last):\n'
-                      '  File "/env/torch/cuda/__init__.py", line 63, in _check_driver\n'
-                      "    raise AssertionError(msg)\n"
-                      "AssertionError: \n"
-                      "The NVIDIA driver on your system is too old (found version 10010).\n")["root_cause"]
+    rc = _report(log, _traceback("/env/torch/cuda/__init__.py", 63, "_check_driver", "raise AssertionError(msg)",
+                                 "AssertionError: ",
+                                 "The NVIDIA driver on your system is too old (found version 10010)."))["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["exception_type"]) == ("cuda.driver_unusable", "environment", "AssertionError")
 
 def test_a_scheduler_memory_kill_explains_the_stop_signal_before_it(tmp_path):
@@ -412,11 +413,9 @@ def test_an_exception_read_by_the_frame_that_raised_it(tmp_path):
     # mmcv's init_dist divides by torch.cuda.device_count() (sample_logs/public23/mmdet368_*);
     # a spawn child's EOFError in multiprocessing's _main is its parent's pickling failure
     log = tmp_path / "frame.log"
-    rc = _report(log,
-        "Traceback (most recent call last):\n"
-        '  File "/usr/local/lib/python3.10/dist-packages/mmcv/runner/dist_utils.py", line 31, in _init_dist_pytorch\n'
-        "    torch.cuda.set_device(rank % num_gpus)\n"
-        "ZeroDivisionError: integer division or modulo by zero\n")["root_cause"]
+    rc = _report(log, _traceback("/usr/local/lib/python3.10/dist-packages/mmcv/runner/dist_utils.py", 31,
+                                 "_init_dist_pytorch", "torch.cuda.set_device(rank % num_gpus)",
+                                 "ZeroDivisionError: integer division or modulo by zero"))["root_cause"]
     assert (rc["category"], rc["rule_id"], rc["line"]) == ("environment", "cuda.no_device", 4)
     spawn = ("Traceback (most recent call last):\n"
              '  File "<string>", line 1, in <module>\n'
@@ -469,9 +468,8 @@ def test_a_workers_error_file_in_the_launchers_summary_is_its_failure(tmp_path):
 def test_a_key_missing_in_a_checkpoint_loader_and_a_loggers_ranked_traceback(tmp_path):
     # intelligent-machine-learning/dlrover#977 and facebookresearch/ParlAI#4452 (public27 samples)
     log = tmp_path / "ckpt.log"
-    rc = _report(log, "Traceback (most recent call last):\n"
-                      '  File "/workspace/Megatron-LM/megatron/checkpointing.py", line 526, in load_checkpoint\n'
-                      "    iteration = state_dict['iteration']\nKeyError: 'iteration'\n")["root_cause"]
+    rc = _report(log, _traceback("/workspace/Megatron-LM/megatron/checkpointing.py", 526, "load_checkpoint",
+                                 "iteration = state_dict['iteration']", "KeyError: 'iteration'"))["root_cause"]
     assert (rc["category"], rc["rule_id"]) == ("checkpoint", "ckpt.format_mismatch")
     rc = _report(log, "rank:  3 | 2022-04-03 18:44:26,615 CRITICAL | Traceback (most recent call last):\n"
                       '  File "parlai/core/torch_agent.py", line 2314, in backward\n    loss.backward()\n'
@@ -538,18 +536,16 @@ def test_a_file_system_error_in_a_module_named_for_checkpoints_is_a_checkpoint_f
     # facebookresearch/PyTorch-BigGraph#142 (sample_logs/public48/pbg_142_*): the partition file of
     # the checkpoint is not on this machine
     log = tmp_path / "pbg.log"
-    rc = _report(log, "Traceback (most recent call last):\n"
-                      '  File "/env/torchbiggraph/checkpoint_storage.py", line 341, in load_entity_partition\n'
-                      '    with h5py.File(path, "r") as hf:\n'
-                      "OSError: Unable to open file (unable to open file: name = '/data/model/embeddings_x_1.v1.h5', "
-                      "errno = 2, error message = 'No such file or directory', flags = 0, o_flags = 0)\n")["root_cause"]
+    rc = _report(log, _traceback("/env/torchbiggraph/checkpoint_storage.py", 341, "load_entity_partition",
+                                 'with h5py.File(path, "r") as hf:',
+                                 "OSError: Unable to open file (unable to open file: name = "
+                                 "'/data/model/embeddings_x_1.v1.h5', errno = 2, error message = 'No such file or "
+                                 "directory', flags = 0, o_flags = 0)"))["root_cause"]
     assert (rc["category"], rc["rule_id"], rc["line"]) == ("checkpoint", "ckpt.io_error", 4)
     # fairscale's activation checkpointing recomputes a forward pass: no checkpoint file
-    rc = _report(log, "Traceback (most recent call last):\n"
-                      '  File "/env/fairscale/nn/checkpoint/checkpoint_activations.py", line 98, in forward\n'
-                      "    outputs = run_function(*args)\n"
-                      "OSError: [Errno 5] Input/output error\n")["root_cause"]
-    assert rc["category"] != "checkpoint"
+    rc = _report(log, _traceback("/env/fairscale/nn/checkpoint/checkpoint_activations.py", 98, "forward",
+                                 "outputs = run_function(*args)", "OSError: [Errno 5] Input/output error"))["root_cause"]
+    assert (rc["category"], rc["rule_id"]) == ("environment", "host.filesystem_error")
 
 
 def test_a_shared_exception_in_the_launchers_error_files_names_every_rank_that_raised_it(tmp_path):

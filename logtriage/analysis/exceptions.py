@@ -12,7 +12,7 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.childfailed import ChildFailure
-from logtriage.analysis.findings import Finding, exception_type_of, short_type
+from logtriage.analysis.findings import Finding, exception_type_of, mask_numbers, short_type
 from logtriage.analysis.hangs import fallback_rule
 from logtriage.analysis.roots import RootCause
 from logtriage.catalog.loader import Catalog
@@ -145,7 +145,6 @@ def error_file_exception(root: RootCause, failures: list[ChildFailure], catalog:
         f"{kind}",))
 
 
-_NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)? ?(?:[KMGTP]i?B|bytes)\b|\d+")   # sizes with their unit
 SHARED_MESSAGE_CHARS = 120   # how much of two exceptions' messages must agree (numbers masked)
 
 
@@ -175,4 +174,4 @@ def _exception_key(text: str) -> tuple[str, str] | None:
     if not kind:
         return None
     message = text.split(": ", 1)[1] if ": " in text else ""
-    return kind, _NUMBERS.sub("#", message.strip())[:SHARED_MESSAGE_CHARS]
+    return kind, mask_numbers(message.strip())[:SHARED_MESSAGE_CHARS]

@@ -46,6 +46,12 @@ _WORKER_FIELDS = frozenset({"local_rank", "pid", "process", "task"})
 _INFO_LINE = re.compile(r"^\[?I\d{3,4} \d\d:\d\d:\d\d")
 # numbers, with a size's unit (`433.81 MiB` and `3.63 GiB` free on two ranks' GPUs are one kind of message)
 _MASK = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)? ?(?:[KMGTP]i?B|bytes)\b|\d+")
+
+
+def mask_numbers(text: str) -> str:
+    """The text with its numbers (and sizes with their unit) as `#`: what the same error on
+    several ranks has in common."""
+    return _MASK.sub("#", text)
 # pytest's short test summary: `FAILED tests/test_x.py::test_y - RuntimeError: ...`
 _PYTEST_SUMMARY = re.compile(r"^(?:FAILED|ERROR) \S+::\S+ - ")
 _VLLM_LOGGER = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[?[\w.-]+\.py:\d+\] ")
@@ -101,7 +107,7 @@ class Finding:
     @property
     def signature(self) -> str:
         """What identical errors on several ranks share: rule and text with numbers masked."""
-        return f"{self.rule.id}|{_MASK.sub('#', self.text)}"
+        return f"{self.rule.id}|{mask_numbers(self.text)}"
 
 
 def exception_type_of(text: str) -> str | None:

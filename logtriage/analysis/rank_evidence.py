@@ -17,7 +17,7 @@ def all_exited_alike(first: Finding, group: list[Finding], live: list[Finding], 
     else: every rank raised it (an import error, a bad argument), so it has no single culprit."""
     etype = short_type(first.exception_type)
     same = [f for f in live if f.rank is None and f.rule.id == first.rule.id]
-    copies = sum(f.text.count(etype) for f in same) if etype else sum(f in group for f in same)
+    copies = sum(f.text.count(etype) for f in same) if etype else sum(f.signature == first.signature for f in same)
     codes = {facts.exit_codes.get(r) for r in facts.known}
     own = [f for f in live if f.rank is not None and f.rule.id not in _LAUNCHER_EXITS]
     if len(facts.known) >= 2 and copies >= 2 and len(codes) == 1 and (next(iter(codes)) or 0) > 0 and not own:

@@ -90,9 +90,8 @@ class Dialect:
     @cached_property
     def label_patterns(self) -> tuple[tuple[str, re.Pattern], ...]:
         """The per-line labels this log uses, outermost first (decided once, read for every line)."""
-        tag = re.compile("^" + re.escape(f"[{self.wrapper_tag}] ")) if self.wrapper_tag else _WRAPPER_TAG
         used = (("stamp", _COLLECTOR_STAMP, self.stamped), ("stamp", _CLOCK_STAMP, self.clock_stamped),
-                ("tag", tag, bool(self.wrapper_tag)),
+                ("tag", _WRAPPER_TAG, bool(self.wrapper_tag)),
                 ("pytest", _PYTEST_E, self.pytest), ("srun", _SRUN, self.srun), ("mpi", _MPI, True),
                 ("host", _HOST, bool(self.hosts)))
         return tuple((layer, pattern) for layer, pattern, on in used if on)
@@ -205,7 +204,8 @@ def _line_labels(line: str, dialect: Dialect) -> tuple[str, list[tuple[str, re.M
         labels.append(("quote", None))
     for layer, pattern in dialect.label_patterns:
         m = pattern.match(text)
-        if m and (layer != "host" or m.group(1) in dialect.hosts):
+        if m and (layer != "host" or m.group(1) in dialect.hosts) \
+                and (layer != "tag" or m.group(1) == dialect.wrapper_tag):
             text = text[m.end():]
             labels.append((layer, m))
     return text, labels
