@@ -102,6 +102,7 @@ class ScanResult:
     world_size: int | None = None
     cpu_backend: bool = False        # the log names gloo or a CPU build of torch: a CPU job
     multi_node: bool = False         # lines carry node labels (pdsh hosts, srun tasks that are nodes)
+    srun_tasks_are_nodes: bool = False   # srun's labels show each task runs a node's torchrun
     seq: int = 0                                           # parts seen so far (global input order)
     per_rule_slot: dict[tuple[str, int], int] = field(default_factory=dict)
 
@@ -120,6 +121,7 @@ class LineScanner:
         self.result, self.source, self.index, self.matcher = result, source, index, matcher
         self.assigner = Assigner(result.slots, result.facts, dialect, source.rank_hint, source.attempt_hint)
         result.multi_node = result.multi_node or bool(dialect.hosts) or dialect.srun_nodes
+        result.srun_tasks_are_nodes = result.srun_tasks_are_nodes or dialect.srun_nodes
         self.launcher_slot = result.slots.fixed(StreamKind.LAUNCHER)
         self.probe_slot = result.slots.fixed(StreamKind.PROBE)
         self.banner_slot = result.slots.fixed(StreamKind.BANNER)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from logtriage.api import triage
 
 
@@ -583,6 +585,31 @@ def test_srun_reporting_a_ranks_crash_confirms_that_ranks_own_earlier_error(tmp_
     rc = _report(log, "0: step 1 loss 0.25\n1: step 1 loss 0.25\n2: step 1 loss 0.25\n"
                       "srun: error: node02: task 1: Segmentation fault\n")["root_cause"]
     assert (rc["rule_id"], rc["rank"]) == ("signal.sigsegv", 1)
+
+
+def test_under_srun_torchrun_a_task_is_a_node_not_a_rank(tmp_path):
+    # `srun --label torchrun --nnodes 2 --nproc_per_node 4`: srun's `task 1` is node 1's agent
+    # (ranks 4-7), so srun's notices name no rank; the summary's rank 5 is the root
+    log = tmp_path / "srun_torchrun.log"
+    agent = "E1130 10:00:05.000000 2234 torch/distributed/elastic/multiprocessing/api.py:874] "
+    body = ("1: Traceback (most recent call last):\n1:   File \"/work/train.py\", line 40, in <module>\n"
+            "1: KeyError: 'target'\n"
+            f"1: {agent}failed (exitcode: 1) local_rank: 1 (pid: 2240) of binary: /usr/bin/python\n"
+            "1: torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+            "1: Root Cause (first observed failure):\n1: [0]:\n1:   host      : node2\n"
+            "1:   rank      : 5 (local_rank: 1)\n1:   exitcode  : 1 (pid: 2240)\n"
+            "srun: error: node2: task 1: Exited with exit code 1\n"
+            "srun: error: node1: task 0: Exited with exit code 1\n")
+    report = _report(log, "0: step 1 loss 2.3\n" + body)
+    assert (report["root_cause"]["rule_id"], report["root_cause"]["rank"]) == ("python.exception", 5)
+    srun = [c for c in report["chain"] if c["rule_id"] == "sched.srun_task_exit"]
+    assert srun and all(c["ranks"] == [] for c in srun)
+    assert {r["rank"] for r in report["ranks"]} == {5}
+    # without srun's labels, torchelastic's summary shows the same
+    report = _report(log, re.sub(r"(?m)^1: ", "", body))
+    assert report["root_cause"]["rank"] == 5
+    srun = [c for c in report["chain"] if c["rule_id"] == "sched.srun_task_exit"]
+    assert srun and all(c["ranks"] == [] for c in srun)
 
 
 def test_a_rank_that_timed_out_fetching_ncclUniqueId_waited_for_the_rank_it_names(tmp_path):

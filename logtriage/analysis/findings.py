@@ -37,6 +37,7 @@ _SIGNAL_RULES = {"SIGSEGV": "signal.sigsegv", "SIGABRT": "signal.sigabrt", "SIGB
 # Captures naming the rank of the process that printed the line ("[Rank 3] Watchdog caught ...",
 # "Rank 1 is running collective"); used when the line itself carries no rank prefix.
 SELF_RANK_CAPTURES = ("self_rank", "pg_rank")
+_SRUN_TASK = re.compile(r"\s*srun: error: \S+: tasks? \d")
 _BLOCK_KINDS_WITH_ONE_EVENT = frozenset({"traceback", "native", "cpp", "fault"})
 _RAISE_LINE = re.compile(r"^\s+raise\b")
 # `terminate called after throwing ...` only wraps what its `what():` line says: any other error
@@ -146,6 +147,9 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
     entry_rank = {(f.source, f.line): f.rank for f in failures}
     pid_rank = {f.pid: f.rank for f in failures if f.pid is not None and f.rank is not None}
     entry_time = {(f.source, f.line): f.time for f in failures}
+    # srun started torchrun agents (its labels say so, or torchelastic summarised the workers):
+    # srun's `task N` is then a node's agent, not rank N
+    tasks_are_nodes = scan.srun_tasks_are_nodes or any(f.local_rank is not None for f in failures)
     findings = []
     for hit in sorted([*primary.values(), *extra], key=lambda h: h.seq):
         stream = keys[scan.slots.final(hit.slot)]
@@ -156,7 +160,8 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
             rank, how = _launcher_rank(hit, entry_rank, local_to_rank, pid_rank)
             stamp = entry_time.get((hit.source, hit.line)) or stamp
         if "rank" in hit.captures and hit.captures["rank"].isdigit():
-            rank, how = int(hit.captures["rank"]), "capture"
+            if not (tasks_are_nodes and _SRUN_TASK.match(hit.text)):
+                rank, how = int(hit.captures["rank"]), "capture"
         elif rank is None:
             named = next((hit.captures[k] for k in SELF_RANK_CAPTURES if hit.captures.get(k, "").isdigit()), None)
             if named is not None:
