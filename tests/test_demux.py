@@ -142,3 +142,35 @@ def test_a_traceback_cut_above_its_first_frame_is_still_one_block(tmp_path):
         "FileExistsError: [Errno 17] File exists: 'a.pt' -> 'last.pt'", "KeyError: 'x'"]
     assert _stream_of(run, 6).rank == 1
     assert list(run.scan.block_checkpoint_frames.values()) == ["save_checkpoint"]
+
+
+def test_a_prefixed_streams_abort_and_traceback_survive_other_ranks_lines_between(tmp_path):
+    # sample_logs/cpu_matrix/collective_mismatch__dtype_nodebug_*_m300119: `--tee 3 --role trainer`;
+    # rank 3's `terminate called` and its `what():` seven lines apart, other ranks' output between
+    log = tmp_path / "interleaved.log"
+    log.write_text(
+        "[trainer3]:terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+        "[trainer2]:[rank 2] step 2 loss 0.4571\n"
+        "W1130 17:32:23.902000 28752 torch/distributed/elastic/multiprocessing/api.py:1028] "
+        "Sending process 28805 closing signal SIGTERM\n"
+        "[trainer4]:[rank4]: Traceback (most recent call last):\n"
+        "[trainer3]:  what():  [enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+        "pair.cc:456] op.preamble.length <= op.nbytes. 8 vs 4. Received data size doesn't match expected size.\n"
+        "[trainer4]:[rank4]:   File \"/w/collective_mismatch.py\", line 44, in main\n"
+        "[trainer5]:[rank 5] step 2 loss 0.2109\n"
+        "[trainer4]:[rank4]:     dist.all_reduce(odd_metric(metric, args.kind))\n"
+        "[trainer4]:[rank4]:   File \"/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py\", "
+        "line 3252, in all_reduce\n"
+        "[trainer2]:[rank 2] step 3 loss 0.3120\n"
+        "[trainer4]:[rank4]:     work.wait()\n"
+        "[trainer4]:[rank4]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] "
+        "Read error [127.0.0.1]:37769: Connection reset by peer.\n"
+        "[trainer3]:[rank 3] step 2 loss 0.4113\n")
+    run = run_triage([str(log)])
+    by_line = {f.line: f for f in run.diagnosis.findings}
+    assert 1 not in by_line                        # `terminate called` yields to its what() line
+    assert by_line[5].rule.id == "gloo.size_mismatch" and by_line[5].rank == 3
+    reset = by_line[12]                            # rank 4's traceback kept its all_reduce frame
+    assert reset.rank == 4 and run.scan.block_collectives[reset.block_id] == "all_reduce"
+    rc = run.report.to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["line"]) == ("gloo.size_mismatch", 5)

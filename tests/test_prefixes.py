@@ -17,6 +17,8 @@ PLAIN = Dialect()
     ("[default1]:[rank1]: Traceback (most recent call last):", 1, 1, "Traceback (most recent call last):"),
     ("[trainer0]:[rank 0] step 1 loss 0.1842", None, 0, "[rank 0] step 1 loss 0.1842"),   # --role trainer
     ("[rank0]:NotImplementedError: x", None, 0, "NotImplementedError: x"),                  # --role rank (torchtitan)
+    ("[RANK 1] 2026-05-19 10:10:29,701 [ERROR] GPU circuit breaker OPEN", 1, None,          # SimpleTuner's label
+     "2026-05-19 10:10:29,701 [ERROR] GPU circuit breaker OPEN"),
     ("[rank0]:[rank0]: Traceback (most recent call last):", 0, None, "Traceback (most recent call last):"),
     ("[gpu187:2]:RuntimeError: CUDA error", None, 2, "RuntimeError: CUDA error"),           # role with host
     ("[default|rank=1|local=1] [rank1]: Traceback (most recent call last):", 1, 1,

@@ -85,6 +85,15 @@ class Part:
     block_id: int                    # -1 outside blocks
 
 
+def _resumable(block: Block) -> bool:
+    """A prefixed stream's native abort, or its traceback before its exception line: another
+    stream's lines between its lines do not end it (after the exception line, a message's
+    continuation could not be told from the stream's next output)."""
+    if not block.state.get("explicit"):
+        return False
+    return block.kind is B.BlockKind.NATIVE or (block.kind is B.BlockKind.TRACEBACK and not block.state.get("exception"))
+
+
 class Assigner:
     """Stateful per input run; call feed() for each cleaned line, then close()."""
 
@@ -93,6 +102,10 @@ class Assigner:
         self.slots, self.facts, self.dialect = slots, facts, dialect
         self.rank_hint, self.attempt_hint = rank_hint, attempt_hint
         self.block: Block | None = None
+        # blocks of prefixed streams another stream's line interrupted, by slot: the owner's next
+        # line may continue them (`[trainer3]:terminate called ...`, other ranks' lines, then
+        # `[trainer3]:  what():  ...`)
+        self.suspended: dict[int, Block] = {}
         self.last_slot = slots.fixed(StreamKind.UNATTRIBUTED)
         self.error_record_slot: int | None = None
         self.spawn_rank: int | None = None
@@ -116,6 +129,8 @@ class Assigner:
 
     def close(self) -> None:
         self._close_block()
+        for slot in list(self.suspended):
+            self._close_suspended(slot)
         self._settle_pending_rule(None)
 
     # -- one piece ----------------------------------------------------------------------------
@@ -145,15 +160,37 @@ class Assigner:
                     self._close_block()
                     self.spawn_rank = int(child.group(1))
                 return part
-            self._close_block()
+            if _resumable(block) and explicit_slot != block.slot:
+                self.suspended[block.slot] = block
+                self.block = None
+            else:
+                self._close_block()
             if self.block is not None:  # a traceback that turned into a ChildFailedError block
                 if B.continues(self.block.kind, text, self.block.state):
                     return self._part(self.block.slot, text, self.block.block_id)
                 self._close_block()
 
         if explicit_slot is not None:
-            return self._open_or_plain(explicit_slot, text, bare=False)
+            if explicit_slot in self.suspended:
+                resumed = self.suspended.pop(explicit_slot)
+                if not L.CFE_FIELD.match(text) and B.continues(resumed.kind, text, resumed.state):
+                    self.block = resumed
+                    self._watch_block_line(resumed, text)
+                    return self._part(resumed.slot, text, resumed.block_id)
+                self.suspended[explicit_slot] = resumed
+                self._close_suspended(explicit_slot)
+            part = self._open_or_plain(explicit_slot, text, bare=False)
+            if self.block is not None and part.block_id == self.block.block_id:
+                self.block.state["explicit"] = True
+            return part
         return self._unprefixed(text)
+
+    def _close_suspended(self, slot: int) -> None:
+        current, self.block = self.block, self.suspended.pop(slot)
+        self._close_block()
+        if self.block is not None:   # it became a ChildFailedError block: nothing follows it now
+            self._close_block()
+        self.block = current
 
     def _unprefixed(self, text: str) -> Part:
         slots = self.slots

@@ -20,7 +20,8 @@
                         and SkyPilot's `(worker1, rank=1, pid=914, ip=10.1.145.81) ` (a node's rank)
     stream tag          `[stderr]` `[stdout]` (a wrapper's, glued to the message; no rank)
     torchrun --tee      `[default0]:` `[trainer1]:` `[gpu187:2]:`   (local rank)
-    prefix template     `[default|rank=1|local=1] ` or any leading `[...]` with a rank field
+    prefix template     `[default|rank=1|local=1] ` or any leading `[...]` with a rank field;
+                        a trainer's `[RANK 1] ` label
     excepthook          `[rank1]: `               (global rank)
     C++ log rank        `[rank1]:[I1130 ...`      (global rank; the glog header stays in the text)
 
@@ -60,6 +61,8 @@ _TEE_HOST = re.compile(r"^\[([A-Za-z0-9][A-Za-z0-9_.-]*):(\d{1,7})\]:")
 _EXCEPTHOOK = re.compile(r"^\[rank(\d{1,12})\]:(?: |(?=\[)|$)")
 _TEMPLATE = re.compile(r"^\[([^\[\]\n]{1,120})\]:? ")
 _TEMPLATE_RANK = re.compile(r"(?:^|[|,;\s])(?:global_)?rank[=:\s]?(\d{1,12})(?:$|[|,;\s/])", re.IGNORECASE)
+# a trainer's own upper-case rank label on every line it writes (SimpleTuner: `[RANK 1] 2026-05-19 ...`)
+_RANK_LABEL = re.compile(r"^\[RANK (\d{1,9})\] ")
 _TEMPLATE_LOCAL = re.compile(r"local(?:_rank)?[=:\s]?(\d{1,7})", re.IGNORECASE)
 MAX_INDENT = 8
 # a Markdown code fence around (or between parts of) a pasted log: not part of the log's conventions
@@ -276,6 +279,10 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
             if lm:
                 local = int(lm.group(1))
             layers.append("template")
+    m = _RANK_LABEL.match(text)
+    if m and rank is None:
+        rank, text = int(m.group(1)), text[m.end():]
+        layers.append("template")
     m = _EXCEPTHOOK.match(text)
     if m:
         rank = int(m.group(1))
