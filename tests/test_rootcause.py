@@ -626,3 +626,14 @@ def test_a_warning_a_rule_reads_is_no_unknown_error_and_the_output_that_stops_af
     report = _report(log, "algo-1:249:249 [0] ofi_init:1288 NCCL WARN NET/OFI Only EFA provider is supported\n"
                           "algo-1:249:249 [0] ofi_init:1339 NCCL WARN NET/OFI aws-ofi-nccl initialization failed\n")
     assert (report["verdict"], report["root_cause"]["rule_id"]) == ("hung", "hang.output_stopped")
+
+
+def test_ranks_writing_their_exception_at_once_give_one_exception_type(tmp_path):
+    # NVIDIA/TransformerEngine#651 (sample_logs/public66/transformerengine651_*): several ranks'
+    # `RuntimeError: ` words ran together before one message; TE's cuDNN frontend error
+    log = tmp_path / "glued.log"
+    rc = _report(log, "RuntimeErrorRuntimeError: RuntimeError/deps/TransformerEngine/transformer_engine/common/"
+                      "fused_attn/fused_attn_f16_arbitrary_seqlen.cu:227 in function operator(): cuDNN Error: "
+                      "[cudnn_frontend] Error: No execution plans built successfully.. For more information, "
+                      "enable cuDNN error logging\n")["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["exception_type"]) == ("cuda.error", "cuda_runtime", "RuntimeError")

@@ -37,6 +37,7 @@ _SIGNAL_RULES = {"SIGSEGV": "signal.sigsegv", "SIGABRT": "signal.sigabrt", "SIGB
 # Captures naming the rank of the process that printed the line ("[Rank 3] Watchdog caught ...",
 # "Rank 1 is running collective"); used when the line itself carries no rank prefix.
 SELF_RANK_CAPTURES = ("self_rank", "pg_rank")
+_GLUED_NAME = re.compile(r"([\w.]{4,}?)\1+")
 _SRUN_TASK = re.compile(r"\s*srun: error: \S+: tasks? \d")
 _BLOCK_KINDS_WITH_ONE_EVENT = frozenset({"traceback", "native", "cpp", "fault"})
 _RAISE_LINE = re.compile(r"^\s+raise\b")
@@ -124,7 +125,10 @@ def exception_type_of(text: str) -> str | None:
         logger = _VLLM_LOGGER.match(text) or _PYTEST_SUMMARY.match(text)
         text = text[logger.end():] if logger else text
     m = EXCEPTION_HEAD.match(text.lstrip(" \t").lstrip("*_`"))   # indented: an error file's, in the launcher's summary
-    return m.group(1) if m else None
+    if not m:
+        return None
+    glued = _GLUED_NAME.fullmatch(m.group(1))   # ranks writing at once: `RuntimeErrorRuntimeError: ...`
+    return glued.group(1) if glued else m.group(1)
 
 
 def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[ChildFailure]) -> list[Finding]:
