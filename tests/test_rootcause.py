@@ -637,3 +637,20 @@ def test_ranks_writing_their_exception_at_once_give_one_exception_type(tmp_path)
                       "[cudnn_frontend] Error: No execution plans built successfully.. For more information, "
                       "enable cuDNN error logging\n")["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["exception_type"]) == ("cuda.error", "cuda_runtime", "RuntimeError")
+
+
+def test_a_checkpointers_own_check_of_its_path_is_a_missing_checkpoint(tmp_path):
+    # torchtune training/checkpointing/_utils.py get_path (docs/research/gaps.md round 12, row 45):
+    # a ValueError naming a missing path, raised in a package named for checkpoints
+    log = tmp_path / "ttune.log"
+    rc = _report(log, "[rank0]: Traceback (most recent call last):\n"
+                      "[rank0]:   File \"/opt/conda/lib/python3.11/site-packages/torchtune/training/checkpointing/"
+                      "_utils.py\", line 137, in get_path\n"
+                      "[rank0]:     raise ValueError(f\"{input_dir} is not a valid directory.\")\n"
+                      "[rank0]: ValueError: /tmp/Meta-Llama-3-8B is not a valid directory.\n")["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("ckpt.not_found", "checkpoint", 0)
+    # the same ValueError outside checkpoint code stays an exception of the program
+    rc = _report(log, "[rank0]: Traceback (most recent call last):\n"
+                      "[rank0]:   File \"/work/data/loader.py\", line 12, in get_path\n"
+                      "[rank0]: ValueError: /tmp/data is not a valid directory.\n")["root_cause"]
+    assert (rc["rule_id"], rc["category"]) == ("python.exception", "python_exception")

@@ -28,6 +28,7 @@ FILE_SYSTEM_ERRORS = frozenset({
 GENERIC_RULES = frozenset({"python.exception", "python.file_not_found", "host.filesystem_error"})
 # a path the error names that is a checkpoint's (`'out/tmp-checkpoint-x' -> 'out/checkpoint-100'`)
 _CHECKPOINT_PATH = re.compile(r"'[^']*(?:checkpoint|ckpt)[^']*'", re.IGNORECASE)
+_MISSING_PATH = re.compile(r"is not a valid (?:directory|file|path)|does not exist|(?:not found|No such file)\b")
 
 
 def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
@@ -45,6 +46,8 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
         rule_id = "ckpt.format_mismatch"
     elif kind in FILE_SYSTEM_ERRORS:
         rule_id = "ckpt.not_found" if kind == "FileNotFoundError" and loading else "ckpt.io_error"
+    elif kind == "ValueError" and f.checkpoint_frame and _MISSING_PATH.search(f.text):
+        rule_id = "ckpt.not_found"   # the checkpointer's own check of its path (torchtune's get_path)
     else:
         return root
     rule = catalog.get(rule_id) or fallback_rule(rule_id, Category.CHECKPOINT, "A checkpoint's file operation failed")

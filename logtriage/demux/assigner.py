@@ -27,11 +27,13 @@ _COLLECTIVE_FRAME = re.compile(r'distributed_c10d\.py", line \d+, in (\w+)')
 # `broadcast_object_list(objs, src=0)` (frames print their source line under the `File` line)
 _BROADCAST_SOURCE = re.compile(r'\bbroadcast\w*\(.*\bsrc\s*=\s*(\d{1,9})\b')
 # a frame that saves or loads a checkpoint: its function's name, or torch's own serialization code
-# or any function of a module named for checkpoints (torchbiggraph's checkpoint_storage.py)
+# or any function of a module, or a package, named for checkpoints (torchbiggraph's
+# checkpoint_storage.py, torchtune's training/checkpointing/, ColossalAI's checkpoint_io/)
 _CHECKPOINT_FRAME = re.compile(
     r', in (\w*(?:checkpoint|ckpt)\w*|(?:save|load)_(?:model|state_dict|pretrained|weights)\w*)\s*$'
     r'|(torch/serialization\.py|torch/distributed/checkpoint/)'
-    r'|/(\w*(?:checkpoint|ckpt)\w*\.py)", line \d+, in (\w+)', re.IGNORECASE)
+    r'|/(\w*(?:checkpoint|ckpt)\w*\.py)", line \d+, in (\w+)'
+    r'|/(\w*(?:checkpoint|ckpt)(?:ing|_io|er)?/(?:\w+/)*\w+\.py)", line \d+, in (\w+)', re.IGNORECASE)
 # activation (gradient) checkpointing recomputes a forward pass: not a checkpoint file
 _ACTIVATION_CHECKPOINT = re.compile(
     r"utils/checkpoint\.py|activation_checkpointing|checkpoint_sequential|CheckpointFunction|"
@@ -299,7 +301,8 @@ class Assigner:
             if "checkpoint" not in block.state and not _ACTIVATION_CHECKPOINT.search(text):
                 m = _CHECKPOINT_FRAME.search(text)
                 if m:
-                    block.state["checkpoint"] = m.group(1) or m.group(2) or f"{m.group(4)} ({m.group(3)})"
+                    block.state["checkpoint"] = (m.group(1) or m.group(2) or f"{m.group(4)} ({m.group(3)})" if m.group(3)
+                                                 else m.group(1) or m.group(2) or f"{m.group(6)} ({m.group(5)})")
         if block.kind is B.BlockKind.TRACEBACK and block.bare and _LAUNCHER_FRAME.search(text):
             block.state["launcher"] = True
         if block.kind is B.BlockKind.CHILD_FAILED:
