@@ -146,6 +146,13 @@ def test_srun_and_pdsh_launches_start_one_process_per_task_or_node():
         "torchrun --nnodes 2 --node-rank 1 --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29999 "
         "--tee 3 scenarios/rank_exception.py --fault-rank 2")
     assert srun_label(3, 16) == b" 3: " and srun_label(12, 16) == b"12: "   # Slurm's `%*d: `
+    # each launcher's notice of a failed task, in its wording (the sample logs' srun and pdsh lines)
+    assert tasks[2].notice(1) == b"srun: error: node01: task 2: Exited with exit code 1\n"
+    assert tasks[2].notice(-11) == b"srun: error: node01: task 2: Segmentation fault\n"
+    assert nodes[1].notice(1) == b"pdsh@worker-0: worker-1: ssh exited with exit code 1\n"
+    assert nodes[1].notice(-9) == b"pdsh@worker-0: worker-1: ssh exited with exit code 137\n"
+    srun_nodes = registry.make_plan(exception, exception.variant("srun_label_nodes_tee3")).tasks(ws, 29999)
+    assert srun_nodes[1].notice(1) == b"srun: error: node02: task 1: Exited with exit code 1\n"
     assert registry.make_plan(exception, exception.variant("tee3")).tasks(ws, 1) is None
 
 

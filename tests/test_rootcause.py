@@ -654,3 +654,15 @@ def test_a_checkpointers_own_check_of_its_path_is_a_missing_checkpoint(tmp_path)
                       "[rank0]:   File \"/work/data/loader.py\", line 12, in get_path\n"
                       "[rank0]: ValueError: /tmp/data is not a valid directory.\n")["root_cause"]
     assert (rc["rule_id"], rc["category"]) == ("python.exception", "python_exception")
+
+
+def test_a_launchers_bare_exit_code_after_the_timeouts_does_not_outrank_them(tmp_path):
+    # a real CPU run under pdsh (two torchrun agents, gloo; benchmarks/inject_matrix.py seed 3103):
+    # every rank timed out in all_reduce, then pdsh reported each node's exit code
+    log = tmp_path / "pdsh.log"
+    gloo = "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] " \
+           "Timed out waiting 10000ms for recv operation to complete\n"
+    rc = _report(log, "".join(f"worker-{r // 3}: [rank{r}]: {gloo}" for r in range(6))
+                      + "pdsh@worker-0: worker-1: ssh exited with exit code 1\n"
+                        "pdsh@worker-0: worker-0: ssh exited with exit code 1\n")["root_cause"]
+    assert (rc["rule_id"], rc["category"]) == ("gloo.timeout", "collective_timeout")

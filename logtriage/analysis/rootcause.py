@@ -39,10 +39,12 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
     if _collective_timeouts(live):
         # Exit codes and signals seen by the launcher (-6 after an NCCL watchdog abort) are how
         # timed-out processes end, and what a timeout's stamp shows came later is its aftermath
-        # (a heartbeat monitor firing minutes after the watchdog): the timeouts say more.
+        # (a heartbeat monitor firing minutes after the watchdog): the timeouts say more. So do
+        # they than a bare exit code reported after them (srun's, pdsh's notices at the end).
         timeouts = [f for f in live if f.category is Category.COLLECTIVE_TIMEOUT
                     and f.role is not Role.CAUSE_CONFIRMATION]
         either = [f for f in either if f.attributed_by != "launcher" and f.category is not Category.CRASH_SIGNAL
+                  and not (f.category is Category.UNKNOWN and any(t.seq < f.seq for t in timeouts))
                   and not any(clearly_before(t.stamp, f.stamp) or _hang_after(t, f) for t in timeouts)]
     if either:
         specific = [f for f in either if f.rule.id != "signal.exit_nonzero"] or either

@@ -22,7 +22,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Iterator
 
-from logtriage.inject.fanout import Task, pdsh_label, run_tasks, srun_label, stop_group
+from logtriage.inject.fanout import Task, pdsh_label, pdsh_notice, run_tasks, srun_label, srun_notice, stop_group
 from logtriage.inject.model import Backend, Launcher, ResolvedExpectation, Scenario, Variant
 from logtriage.inject.workspace import Workspace
 
@@ -78,7 +78,8 @@ class RunPlan:
         if launcher is Launcher.SRUN_TASKS:
             return [Task((str(workspace.python), *self.script()), (
                 ("SLURM_PROCID", str(i)), ("SLURM_NTASKS", str(self.nproc)), ("SLURM_LOCALID", str(i)),
-                ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))), srun_label(i, self.nproc))
+                ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))), srun_label(i, self.nproc),
+                srun_notice("node01", i))
                 for i in range(self.nproc)]
         if launcher not in (Launcher.SRUN_NODES, Launcher.PDSH_NODES):
             return None
@@ -86,7 +87,9 @@ class RunPlan:
         return [Task((str(workspace.python), str(workspace.torchrun), "--nnodes", str(NODES), "--node-rank", str(node),
                       "--nproc-per-node", str(per_node), "--master-addr", "127.0.0.1", "--master-port", str(port),
                       *self.variant.launcher_args, *self.script()), (),
-                     srun_label(node, NODES) if launcher is Launcher.SRUN_NODES else pdsh_label(f"worker-{node}"))
+                     *((srun_label(node, NODES), srun_notice(f"node{node + 1:02d}", node))
+                       if launcher is Launcher.SRUN_NODES
+                       else (pdsh_label(f"worker-{node}"), pdsh_notice("worker-0", f"worker-{node}"))))
                 for node in range(NODES)]
 
     def command(self, workspace: Workspace, port: int) -> list[str]:
