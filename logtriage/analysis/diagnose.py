@@ -33,6 +33,7 @@ from logtriage.analysis.refine import (
     store_wait_after_progress,
     teardown_only,
     unique_id_host_left,
+    unsent_sigterms,
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
 from logtriage.analysis.stopped import FINISHED_RULE, log_tail, message_of, output_stopped, unknown_error_line
@@ -71,7 +72,7 @@ class Diagnosis:
 def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     keys = scan.slots.resolve(scan.facts.pid_to_rank(), scan.facts.attempt_of_segment, scan.facts.host_rank)
     failures = parse_child_failures(scan.launcher_lines)
-    findings = attribute_by_nccl_pid(resolve_findings(scan, keys, failures))
+    findings = unsent_sigterms(attribute_by_nccl_pid(resolve_findings(scan, keys, failures)), catalog)
     stream_stats = _merge_stats(scan, keys)
     facts = _rank_facts(stream_stats, failures, findings, scan.world_size)
     root = choose_root(findings, facts)

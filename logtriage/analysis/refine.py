@@ -128,6 +128,24 @@ def hangup_forwarded(findings: list[Finding], catalog: Catalog) -> RootCause | N
         "terminal or SSH session went away, and no worker had failed before",))
 
 
+SIGTERM_RULE = "signal.sigterm"
+SIGTERM_UNSENT = "signal.sigterm_unsent"
+
+
+def unsent_sigterms(findings: list[Finding], catalog: Catalog) -> list[Finding]:
+    """A worker that died of SIGTERM the launcher did not send: torchrun names the pid of every
+    worker it stops, so a -15 whose pid is not among them was signalled from elsewhere, before
+    the teardown, and is that worker's own end (not teardown). Only where the log shows the
+    launcher's SIGTERMs: without them nothing tells the two apart."""
+    sent = {int(f.captures["pid"]) for f in findings if f.rule.id == TEARDOWN_RULE
+            and f.captures.get("signal") == "SIGTERM" and f.captures.get("pid", "").isdigit()}
+    rule = catalog.get(SIGTERM_UNSENT)
+    if not sent or rule is None:
+        return findings
+    return [replace(f, rule=rule) if f.rule.id == SIGTERM_RULE and f.captures.get("pid", "").isdigit()
+            and int(f.captures["pid"]) not in sent else f for f in findings]
+
+
 def teardown_only(findings: list[Finding]) -> RootCause | None:
     """The launcher stopping its workers (torchrun's SIGTERMs, the legacy and DeepSpeed launchers'
     `Killing subprocess N`) with no error anywhere: it does that after a worker failed, so the run

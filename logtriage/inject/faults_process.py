@@ -86,6 +86,16 @@ RANK_SIGKILL = Scenario(
     variants=(Variant("np2"), Variant("np4", nproc=4, fault_rank=3)),
 )
 
+RANK_SIGTERM = Scenario(
+    name="rank_sigterm", script="rank_dies.py", script_args=("--how", "term"),
+    description="one rank gets a SIGTERM that torchrun did not send (a supervisor, a per-process limit)",
+    expect=Expectation(FAILED, "crash_signal", "signal.sigterm_unsent", RankRef.FAULT,
+                       note="rank {fault} dies of SIGTERM before the teardown; torchrun's 'Sending process "
+                            "N closing signal SIGTERM' lines name the other ranks' pids, not its own"),
+    evidence="(exitcode: -15)",
+    variants=(Variant("np2"), Variant("np4", nproc=4, fault_rank=2)),
+)
+
 RANK_SIGSEGV = Scenario(
     name="rank_sigsegv", script="rank_dies.py", script_args=("--how", "segv"),
     description="one rank segfaults (a real NULL-pointer read through ctypes)",
@@ -174,5 +184,5 @@ NO_INIT = Scenario(
     variants=(Variant("np2"),),
 )
 
-SCENARIOS = (HEALTHY, RANK_EXCEPTION, ALL_RANKS_NAMEERROR, RANK_SIGKILL, RANK_SIGSEGV,
+SCENARIOS = (HEALTHY, RANK_EXCEPTION, ALL_RANKS_NAMEERROR, RANK_SIGKILL, RANK_SIGTERM, RANK_SIGSEGV,
              RANK_EXIT_CODE, WATCHDOG_STUCK_RANK, LOADER_WORKER_CRASH, MAX_RESTARTS, FD_EXHAUSTED, NO_INIT)
