@@ -666,3 +666,22 @@ def test_a_launchers_bare_exit_code_after_the_timeouts_does_not_outrank_them(tmp
                       + "pdsh@worker-0: worker-1: ssh exited with exit code 1\n"
                         "pdsh@worker-0: worker-0: ssh exited with exit code 1\n")["root_cause"]
     assert (rc["rule_id"], rc["category"]) == ("gloo.timeout", "collective_timeout")
+
+
+def test_when_every_rank_timed_out_the_one_waiting_somewhere_else_is_named(tmp_path):
+    # sample_logs/cpu/uneven_batches__np4: rank 1 ran out of batches and waits in barrier(); the
+    # others wait in DDP's backward all-reduce, which has no c10d frame (its innermost frame is autograd's)
+    log = tmp_path / "uneven.log"
+    gloo = "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] " \
+           "Timed out waiting 10000ms for recv operation to complete\n"
+
+    def waiting_in(rank: int, where: str) -> str:
+        frame = ('  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 5356, '
+                 'in barrier\n    work.wait()\n' if where == "barrier" else
+                 '  File "/venv/lib/python3.11/site-packages/torch/autograd/graph.py", line 979, in '
+                 '_engine_run_backward\n    return Variable._execution_engine.run_backward(\n')
+        return "".join(f"[rank{rank}]: {line}\n" for line in
+                       ("Traceback (most recent call last):", *frame.splitlines(), gloo.strip()))
+    rc = _report(log, waiting_in(0, "backward") + waiting_in(2, "backward") + waiting_in(1, "barrier")
+                 + waiting_in(3, "backward"))["root_cause"]
+    assert (rc["rule_id"], rc["rank"]) == ("gloo.timeout", 1)

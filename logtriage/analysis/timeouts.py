@@ -69,8 +69,10 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
             f"rank {only} is the only rank in this log, and it timed out in a collective",))
     odd = _odd_collective(timeouts)
     if odd is not None:
-        return RootCause(first.rule, first, odd, (odd,), 0.5, (
-            f"every rank timed out, but rank {odd} waited in a different collective from all the others",))
+        rank, place, others = odd
+        return RootCause(first.rule, first, rank, (rank,), 0.5, (
+            f"every rank timed out, but rank {rank} waited in `{place}` and all the others in `{others}`: "
+            f"its code took a different path (uneven data, a rank-specific branch)",))
     behind = _behind(facts, timed_out)
     if behind is not None:
         return RootCause(first.rule, first, behind, (behind,), 0.4, (
@@ -79,15 +81,20 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
                      ("every rank timed out and nothing in the log tells them apart",))
 
 
-def _odd_collective(timeouts: list[Finding]) -> int | None:
+def _odd_collective(timeouts: list[Finding]) -> tuple[int, str, str] | None:
     """All ranks timed out: the one waiting in another collective (all_reduce while the rest sit
-    in barrier) is the one whose code took a different path."""
-    by_rank = {f.rank: f.collective for f in timeouts if f.rank is not None and f.collective}
+    in barrier, or in a barrier while the rest wait in DDP's backward, whose all-reduce has no
+    Python frame of its own) is the one whose code took a different path."""
+    by_rank = {f.rank: f.collective or f.last_frame for f in timeouts
+               if f.rank is not None and (f.collective or f.last_frame)}
     names = list(by_rank.values())
     if len(by_rank) < 3:
         return None
     odd = [r for r, name in by_rank.items() if names.count(name) == 1]
-    return odd[0] if len(odd) == 1 and len(set(names)) == 2 else None
+    if len(odd) != 1 or len(set(names)) != 2:
+        return None
+    place = by_rank[odd[0]]
+    return odd[0], place, next(name for name in names if name != place)
 
 
 def _broadcast_source(timeouts: list[Finding]) -> int | None:

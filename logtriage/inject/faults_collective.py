@@ -27,6 +27,16 @@ SKIP_COLLECTIVE = Scenario(
     variants=(Variant("np2"), Variant("np3", nproc=3, fault_rank=2)),
 )
 
+UNEVEN_BATCHES = Scenario(
+    name="uneven_batches", script="uneven_batches.py",
+    description="one rank's data shard is shorter: it reaches the final barrier while the others wait in backward",
+    expect=Expectation(FAILED, "collective_timeout", "gloo.timeout", RankRef.FAULT,
+                       note="rank {fault} ran out of batches and waits in barrier(); the others wait in "
+                            "DDP's gradient all-reduce; every rank times out after 10 s"),
+    evidence="Timed out waiting 10000ms",
+    variants=(Variant("np3", nproc=3, fault_rank=2), Variant("np4", nproc=4, fault_rank=1)),
+)
+
 COLLECTIVE_MISMATCH = Scenario(
     name="collective_mismatch", script="collective_mismatch.py",
     code_bugs=(CodeBug.COLLECTIVE_IN_RANK_BRANCH,),
@@ -116,5 +126,5 @@ PORT_IN_USE = Scenario(
     variants=(Variant("static_master_port", occupy_master_port=True),),
 )
 
-SCENARIOS = (SKIP_COLLECTIVE, COLLECTIVE_MISMATCH, RANK0_COLLECTIVE, DDP_UNUSED_PARAMS,
+SCENARIOS = (SKIP_COLLECTIVE, UNEVEN_BATCHES, COLLECTIVE_MISMATCH, RANK0_COLLECTIVE, DDP_UNUSED_PARAMS,
              PORT_IN_USE)
