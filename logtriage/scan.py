@@ -155,13 +155,14 @@ class LineScanner:
         for block_id, (kind, slot) in assigner.blocks.items():
             result.block_slots[block_id] = slot
             result.block_kinds[block_id] = kind.value
-        result.block_exceptions.update(assigner.exceptions)
-        result.block_collectives.update(assigner.collectives)
-        result.block_checkpoint_frames.update(assigner.checkpoint_frames)
-        result.block_last_frames.update(assigner.last_frames)
-        result.block_broadcast_sources.update(assigner.broadcast_sources)
-        result.block_cause_frames.update(assigner.cause_frames)
-        for block_id, line in assigner.exception_lines.items():
+        tracebacks = assigner.tracebacks
+        result.block_exceptions.update(tracebacks.exceptions)
+        result.block_collectives.update(tracebacks.collectives)
+        result.block_checkpoint_frames.update(tracebacks.checkpoint_frames)
+        result.block_last_frames.update(tracebacks.last_frames)
+        result.block_broadcast_sources.update(tracebacks.broadcast_sources)
+        result.block_cause_frames.update(tracebacks.cause_frames)
+        for block_id, line in tracebacks.exception_lines.items():
             result.block_exception_lines[block_id] = (self.source.index, line)
         result.input_lines += self.lines
         _note_rule_timeouts(result, self.matcher)

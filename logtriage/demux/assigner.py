@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from logtriage.demux import blocks as B
 from logtriage.demux import launcher as L
+from logtriage.demux.frames import FRAME, TracebackFacts, watch_traceback_line
 from logtriage.demux.prefixes import Dialect, line_prefix_end, strip_prefixes
 from logtriage.demux.split import split_glued
 from logtriage.demux.streams import SlotTable, StreamKind
@@ -22,32 +23,10 @@ _RANK_MARKERS = (
     re.compile(r"(?:^|[\s,(|])(?:global_)?rank\s*[=:]\s*(\d{1,9})\b", re.IGNORECASE),
     re.compile(r"^\s*rank\s*(\d{1,9})\s*[:|\]]", re.IGNORECASE),
 )
-_COLLECTIVE_FRAME = re.compile(r'distributed_c10d\.py", line \d+, in (\w+)')
-# the calling code's source line of a broadcast: `dist.broadcast(param, src=0)`,
-# `broadcast_object_list(objs, src=0)` (frames print their source line under the `File` line)
-_BROADCAST_SOURCE = re.compile(r'\bbroadcast\w*\(.*\bsrc\s*=\s*(\d{1,9})\b')
-# a frame that saves or loads a checkpoint: its function's name, or torch's own serialization code
-# or any function of a module, or a package, named for checkpoints (torchbiggraph's
-# checkpoint_storage.py, torchtune's training/checkpointing/, ColossalAI's checkpoint_io/)
-_CHECKPOINT_FRAME = re.compile(
-    r', in (\w*(?:checkpoint|ckpt)\w*|(?:save|load)_(?:model|state_dict|pretrained|weights)\w*)\s*$'
-    r'|(torch/serialization\.py|torch/distributed/checkpoint/)'
-    r'|/(\w*(?:checkpoint|ckpt)\w*\.py)", line \d+, in (\w+)'
-    r'|/(\w*(?:checkpoint|ckpt)(?:ing|_io|er)?/(?:\w+/)*\w+\.py)", line \d+, in (\w+)', re.IGNORECASE)
-# activation (gradient) checkpointing recomputes a forward pass: not a checkpoint file
-_ACTIVATION_CHECKPOINT = re.compile(
-    r"utils/checkpoint\.py|activation_checkpointing|checkpoint_sequential|CheckpointFunction|"
-    r"_checkpoint_without_reentrant|gradient_checkpointing|checkpoint_wrapper|checkpoint_activations", re.IGNORECASE)
-# a traceback's frame line: the innermost one says where the process was (waiting, or working);
-# one with at most 4 spaces before it and no `Traceback (...)` above starts a cut traceback
-_FRAME = re.compile(r'^(\s*)File "[^"\n]+", line \d+, in (\S+)')
 # (NCCL's result codes under a DistBackendError, `ncclInternalError: Internal check failed.`, are
 # part of its message, not exceptions)
 _EXCEPTION_START = re.compile(r"^(?!nccl[A-Z])(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): ")
 _ERROR_RECORD = re.compile(r"\b(?:ERROR|CRITICAL|FATAL|Exception|exception)\b")
-_LAUNCHER_FRAME = re.compile(
-    r'File "[^"]*(?:bin/torchrun|distributed/run\.py|distributed/launch\.py|launcher/api\.py'
-    r'|elastic/agent/server/|multiprocessing/spawn\.py"(?:, line \d+, in (?:start_processes|spawn|join)))')
 _LAUNCHER_EXCEPTIONS = re.compile(r"(?:ChildFailedError|SignalException|RendezvousConnectionError|"
                                   r"RendezvousTimeoutError|RendezvousClosedError|ProcessRaisedException|"
                                   r"ProcessExitedException)\b")
@@ -113,13 +92,7 @@ class Assigner:
         self.spawn_rank: int | None = None
         self.pending_rule: int | None = None
         self.blocks: dict[int, tuple[B.BlockKind, int]] = {}   # block id -> (kind, slot)
-        self.exceptions: dict[int, str] = {}                    # traceback block id -> exception line
-        self.collectives: dict[int, str] = {}                   # traceback block id -> c10d function
-        self.checkpoint_frames: dict[int, str] = {}             # traceback block id -> checkpoint frame
-        self.last_frames: dict[int, str] = {}                   # traceback block id -> innermost function
-        self.broadcast_sources: dict[int, int] = {}             # traceback block id -> broadcast's src rank
-        self.cause_frames: dict[int, str] = {}                  # chained traceback -> its first exception's frame
-        self.exception_lines: dict[int, int] = {}               # traceback block id -> its exception line
+        self.tracebacks = TracebackFacts()
 
     # -- public -------------------------------------------------------------------------------
     def feed(self, line: str) -> list[Part]:
@@ -173,13 +146,12 @@ class Assigner:
                 self._close_block()
 
         if explicit_slot is not None:
-            if explicit_slot in self.suspended:
-                resumed = self.suspended.pop(explicit_slot)
+            resumed = self.suspended.get(explicit_slot)
+            if resumed is not None:
                 if not L.CFE_FIELD.match(text) and B.continues(resumed.kind, text, resumed.state):
-                    self.block = resumed
+                    self.block = self.suspended.pop(explicit_slot)
                     self._watch_block_line(resumed, text)
                     return self._part(resumed.slot, text, resumed.block_id)
-                self.suspended[explicit_slot] = resumed
                 self._close_suspended(explicit_slot)
             part = self._open_or_plain(explicit_slot, text, bare=False)
             if self.block is not None and part.block_id == self.block.block_id:
@@ -255,7 +227,7 @@ class Assigner:
         kind = _block_start(text)
         if kind is not None:
             return self._open(kind, slot, text, bare)
-        frame = _FRAME.match(text) if text.lstrip()[:6] == 'File "' else None
+        frame = FRAME.match(text) if text.lstrip()[:6] == 'File "' else None
         if frame and len(frame.group(1)) <= 4:
             part = self._open(B.BlockKind.TRACEBACK, slot, text, bare)
             if not text[0].isspace():
@@ -283,29 +255,9 @@ class Assigner:
         return self._part(slot, text, block.block_id)
 
     def _watch_block_line(self, block: Block, text: str) -> None:
-        if block.kind is B.BlockKind.TRACEBACK and "distributed_c10d.py" in text:
-            m = _COLLECTIVE_FRAME.search(text)
-            if m:
-                block.state["collective"] = m.group(1)
-        if block.kind is B.BlockKind.TRACEBACK and "cause_frame" not in block.state and B.CHAIN.match(text):
-            # "During handling of the above exception": the first exception's own innermost frame
-            block.state["cause_frame"] = block.state.get("last_frame", "")
-        if block.kind is B.BlockKind.TRACEBACK and "src" in text and "File " not in text:
-            m = _BROADCAST_SOURCE.search(text)
-            if m:
-                block.state["broadcast_src"] = int(m.group(1))
-        if block.kind is B.BlockKind.TRACEBACK and ", in " in text:
-            frame = _FRAME.match(text)
-            if frame:
-                block.state["last_frame"] = frame.group(2)
-            if "checkpoint" not in block.state and not _ACTIVATION_CHECKPOINT.search(text):
-                m = _CHECKPOINT_FRAME.search(text)
-                if m:
-                    block.state["checkpoint"] = (m.group(1) or m.group(2) or f"{m.group(4)} ({m.group(3)})" if m.group(3)
-                                                 else m.group(1) or m.group(2) or f"{m.group(6)} ({m.group(5)})")
-        if block.kind is B.BlockKind.TRACEBACK and block.bare and _LAUNCHER_FRAME.search(text):
-            block.state["launcher"] = True
-        if block.kind is B.BlockKind.CHILD_FAILED:
+        if block.kind is B.BlockKind.TRACEBACK:
+            watch_traceback_line(block.state, text, block.bare)
+        elif block.kind is B.BlockKind.CHILD_FAILED:
             self.facts.observe(text)
 
     def _close_block(self) -> None:
@@ -313,20 +265,7 @@ class Assigner:
         if block is None or block.kind is not B.BlockKind.TRACEBACK:
             return
         exception = block.state.get("exception", "")
-        if exception:
-            self.exceptions[block.block_id] = exception
-        if block.state.get("collective"):
-            self.collectives[block.block_id] = block.state["collective"]
-        if block.state.get("checkpoint"):
-            self.checkpoint_frames[block.block_id] = block.state["checkpoint"]
-        if block.state.get("last_frame"):
-            self.last_frames[block.block_id] = block.state["last_frame"]
-        if block.state.get("cause_frame"):
-            self.cause_frames[block.block_id] = block.state["cause_frame"]
-        if "broadcast_src" in block.state and block.state.get("collective", "").startswith("broadcast"):
-            self.broadcast_sources[block.block_id] = block.state["broadcast_src"]
-        if block.state.get("exception_line"):
-            self.exception_lines[block.block_id] = block.state["exception_line"]
+        self.tracebacks.record(block.block_id, block.state)
         becomes_cfe = L.is_cfe_start(exception)
         if block.bare:
             self.slots.redirect[block.slot] = self._bare_owner(block, exception, becomes_cfe)

@@ -1,0 +1,88 @@
+"""What a traceback's lines say about the process that printed it, gathered while its block is
+open: the c10d collective it waited in, its innermost frame (and, for a chained traceback, the
+first exception's), a broadcast's source rank, a frame that saves or loads a checkpoint, and
+whether it is the launcher's own traceback."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from logtriage.demux import blocks as B
+
+COLLECTIVE_FRAME = re.compile(r'distributed_c10d\.py", line \d+, in (\w+)')
+# the calling code's source line of a broadcast: `dist.broadcast(param, src=0)`,
+# `broadcast_object_list(objs, src=0)` (frames print their source line under the `File` line)
+BROADCAST_SOURCE = re.compile(r'\bbroadcast\w*\(.*\bsrc\s*=\s*(\d{1,9})\b')
+# a frame that saves or loads a checkpoint: its function's name, or torch's own serialization code
+# or any function of a module, or a package, named for checkpoints (torchbiggraph's
+# checkpoint_storage.py, torchtune's training/checkpointing/, ColossalAI's checkpoint_io/)
+CHECKPOINT_FRAME = re.compile(
+    r', in (\w*(?:checkpoint|ckpt)\w*|(?:save|load)_(?:model|state_dict|pretrained|weights)\w*)\s*$'
+    r'|(torch/serialization\.py|torch/distributed/checkpoint/)'
+    r'|/(\w*(?:checkpoint|ckpt)\w*\.py)", line \d+, in (\w+)'
+    r'|/(\w*(?:checkpoint|ckpt)(?:ing|_io|er)?/(?:\w+/)*\w+\.py)", line \d+, in (\w+)', re.IGNORECASE)
+# activation (gradient) checkpointing recomputes a forward pass: not a checkpoint file
+ACTIVATION_CHECKPOINT = re.compile(
+    r"utils/checkpoint\.py|activation_checkpointing|checkpoint_sequential|CheckpointFunction|"
+    r"_checkpoint_without_reentrant|gradient_checkpointing|checkpoint_wrapper|checkpoint_activations", re.IGNORECASE)
+# a traceback's frame line: the innermost one says where the process was (waiting, or working);
+# one with at most 4 spaces before it and no `Traceback (...)` above starts a cut traceback
+FRAME = re.compile(r'^(\s*)File "[^"\n]+", line \d+, in (\S+)')
+LAUNCHER_FRAME = re.compile(
+    r'File "[^"]*(?:bin/torchrun|distributed/run\.py|distributed/launch\.py|launcher/api\.py'
+    r'|elastic/agent/server/|multiprocessing/spawn\.py"(?:, line \d+, in (?:start_processes|spawn|join)))')
+
+
+def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
+    """Note what one line of an open traceback block says, in the block's `state`."""
+    if "distributed_c10d.py" in text:
+        m = COLLECTIVE_FRAME.search(text)
+        if m:
+            state["collective"] = m.group(1)
+    if "cause_frame" not in state and B.CHAIN.match(text):
+        # "During handling of the above exception": the first exception's own innermost frame
+        state["cause_frame"] = state.get("last_frame", "")
+    if "src" in text and "File " not in text:
+        m = BROADCAST_SOURCE.search(text)
+        if m:
+            state["broadcast_src"] = int(m.group(1))
+    if ", in " in text:
+        frame = FRAME.match(text)
+        if frame:
+            state["last_frame"] = frame.group(2)
+        if "checkpoint" not in state and not ACTIVATION_CHECKPOINT.search(text):
+            m = CHECKPOINT_FRAME.search(text)
+            if m:
+                path, function = (m.group(3), m.group(4)) if m.group(3) else (m.group(5), m.group(6))
+                state["checkpoint"] = m.group(1) or m.group(2) or f"{function} ({path})"
+    if bare and LAUNCHER_FRAME.search(text):
+        state["launcher"] = True
+
+
+@dataclass
+class TracebackFacts:
+    """Per closed traceback block (by block id): what its lines said."""
+    exceptions: dict[int, str] = field(default_factory=dict)          # its exception line
+    collectives: dict[int, str] = field(default_factory=dict)         # the c10d function it was in
+    checkpoint_frames: dict[int, str] = field(default_factory=dict)   # a checkpoint frame
+    last_frames: dict[int, str] = field(default_factory=dict)         # its innermost function
+    broadcast_sources: dict[int, int] = field(default_factory=dict)   # a broadcast's src rank
+    cause_frames: dict[int, str] = field(default_factory=dict)        # a chain's first exception's frame
+    exception_lines: dict[int, int] = field(default_factory=dict)     # its exception line's number
+
+    def record(self, block_id: int, state: dict) -> None:
+        if state.get("exception"):
+            self.exceptions[block_id] = state["exception"]
+        if state.get("collective"):
+            self.collectives[block_id] = state["collective"]
+        if state.get("checkpoint"):
+            self.checkpoint_frames[block_id] = state["checkpoint"]
+        if state.get("last_frame"):
+            self.last_frames[block_id] = state["last_frame"]
+        if state.get("cause_frame"):
+            self.cause_frames[block_id] = state["cause_frame"]
+        if "broadcast_src" in state and state.get("collective", "").startswith("broadcast"):
+            self.broadcast_sources[block_id] = state["broadcast_src"]
+        if state.get("exception_line"):
+            self.exception_lines[block_id] = state["exception_line"]
