@@ -7,7 +7,8 @@ the console/launcher variants, world sizes 2-4 and fault ranks anywhere in the w
 The declared variants of `triage inject` fix world size and fault rank; this mixes them so a
 diagnosis that only works for rank 1 of 2, or only without --tee, shows up. A combination whose
 fault cannot happen as declared is not drawn: a
-`--local-ranks-filter 0` that would show the faulty rank after all. The base variant's
+`--local-ranks-filter 0` that would show the faulty rank after all, a 5-vs-4-float shape mismatch
+among 5 or more ranks. The base variant's
 environment wins over the added noise's (TORCH_DISTRIBUTED_DEBUG=DETAIL stays DETAIL).
 """
 
@@ -60,6 +61,10 @@ def _draw(rng: random.Random, faults: list[Scenario], noise: list[Variant | None
             nproc += NODES - nproc % NODES   # the same number of ranks on every node
         fault_rank = rng.randrange(nproc)
         if fault_rank == 0 and "--local-ranks-filter" in base.launcher_args:
+            continue
+        if base.name == "shape_nodebug_np2" and nproc >= 5:
+            # 5 floats against 4 reach gloo's size check with few ranks; with 5 or more the ring's
+            # chunks can line up and every rank times out instead (seeds 3103 and 3301)
             continue
         return scenario, base, extra, nproc, fault_rank
 

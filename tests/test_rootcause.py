@@ -685,3 +685,18 @@ def test_when_every_rank_timed_out_the_one_waiting_somewhere_else_is_named(tmp_p
     rc = _report(log, waiting_in(0, "backward") + waiting_in(2, "backward") + waiting_in(1, "barrier")
                  + waiting_in(3, "backward"))["root_cause"]
     assert (rc["rule_id"], rc["rank"]) == ("gloo.timeout", 1)
+
+
+def test_one_srun_task_terminated_before_any_other_ended_got_its_own_sigterm(tmp_path):
+    # benchmarks/inject_matrix.py seed 3301 (rank_sigterm under srun --label tasks): task 4's
+    # "Terminated" came first; srun's own teardown follows a failure (public54's lumi_ai_course_*)
+    log = tmp_path / "srun_term.log"
+    peer = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+            "Connection closed by peer [127.0.0.1]:17076.\n")
+    rc = _report(log, "4: [rank 4] step 2 loss 0.2029\nsrun: error: node01: task 4: Terminated\n"
+                      f"2: [rank2]: {peer}srun: error: node01: task 2: Exited with exit code 1\n")["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("signal.sigterm_unsent", "crash_signal", 4)
+    rc = _report(log, "0: [rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+                      "srun: error: node01: task 0: Exited with exit code 1\n"
+                      "srun: error: node01: task 1: Terminated\n")["root_cause"]
+    assert (rc["rule_id"], rc["rank"]) == ("cuda.oom", 0)

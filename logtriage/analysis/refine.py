@@ -7,6 +7,7 @@ process sat in a wait is the hang someone stopped. Readings of one exception are
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
@@ -129,6 +130,7 @@ def hangup_forwarded(findings: list[Finding], catalog: Catalog) -> RootCause | N
 
 
 SIGTERM_RULE = "signal.sigterm"
+_SRUN_NOTICE = re.compile(r"\s*srun: error: \S+: tasks? [\d,-]+: ")
 SIGTERM_UNSENT = "signal.sigterm_unsent"
 
 
@@ -136,14 +138,20 @@ def unsent_sigterms(findings: list[Finding], catalog: Catalog) -> list[Finding]:
     """A worker that died of SIGTERM the launcher did not send: torchrun names the pid of every
     worker it stops, so a -15 whose pid is not among them was signalled from elsewhere, before
     the teardown, and is that worker's own end (not teardown). Only where the log shows the
-    launcher's SIGTERMs: without them nothing tells the two apart."""
+    launcher's SIGTERMs (or srun's notices, below): without them nothing tells the two apart."""
+    rule = catalog.get(SIGTERM_UNSENT)
+    if rule is None:
+        return findings
     sent = {int(f.captures["pid"]) for f in findings if f.rule.id == TEARDOWN_RULE
             and f.captures.get("signal") == "SIGTERM" and f.captures.get("pid", "").isdigit()}
-    rule = catalog.get(SIGTERM_UNSENT)
-    if not sent or rule is None:
-        return findings
-    return [replace(f, rule=rule) if f.rule.id == SIGTERM_RULE and f.captures.get("pid", "").isdigit()
-            and int(f.captures["pid"]) not in sent else f for f in findings]
+    unsent = {id(f) for f in findings if sent and f.rule.id == SIGTERM_RULE and f.captures.get("pid", "").isdigit()
+              and int(f.captures["pid"]) not in sent}
+    # srun reports each task's end; it terminates tasks itself only after one failed (or on a
+    # cancel, all at once): a single task's "Terminated" before any other task's end was its own
+    notices = sorted((f for f in findings if _SRUN_NOTICE.match(f.text)), key=lambda f: f.seq)
+    if len(notices) > 1 and notices[0].rule.id == SIGTERM_RULE and notices[1].rule.id != SIGTERM_RULE:
+        unsent.add(id(notices[0]))
+    return [replace(f, rule=rule) if id(f) in unsent else f for f in findings]
 
 
 def teardown_only(findings: list[Finding]) -> RootCause | None:
