@@ -700,3 +700,22 @@ def test_one_srun_task_terminated_before_any_other_ended_got_its_own_sigterm(tmp
                       "srun: error: node01: task 0: Exited with exit code 1\n"
                       "srun: error: node01: task 1: Terminated\n")["root_cause"]
     assert (rc["rule_id"], rc["rank"]) == ("cuda.oom", 0)
+
+
+def test_workers_that_died_of_the_same_signal_are_one_rank_set(tmp_path):
+    # ROCm/ROCm#5788 (sample_logs/public38/rocm5788_*): the agent's `failed` line names one worker,
+    # the summary's entries the others, each in its own words
+    log = tmp_path / "segv.log"
+    agent = "E1130 18:13:55.077000 21326 torch/distributed/elastic/multiprocessing/api.py:1002] "
+    entry = ("[{i}]:\n  time      : 2026-11-30_18:13:55\n  host      : localhost\n  rank      : {r} (local_rank: {r})\n"
+             "  exitcode  : -11 (pid: 2132{r})  (SIGSEGV)\n  error_file: <N/A>\n"
+             "  traceback : Signal 11 (SIGSEGV) received by PID 2132{r}\n")
+    rc = _report(log, f"{agent}failed (exitcode: -11) local_rank: 0 (pid: 21320) of binary: /venv/bin/python3\n"
+                      "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+                      "=======================================================\ntrain.py FAILED\n"
+                      "-------------------------------------------------------\nFailures:\n"
+                      + entry.format(i=1, r=1) + entry.format(i=2, r=2)
+                      + "-------------------------------------------------------\n"
+                      "Root Cause (first observed failure):\n" + entry.format(i=0, r=0)
+                      + "=======================================================\n")["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["ranks"]) == ("signal.sigsegv", 0, [0, 1, 2])

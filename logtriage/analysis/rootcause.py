@@ -162,14 +162,19 @@ def _specific_in_block(first: Finding, candidates: list[Finding]) -> Finding:
 def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts, confidence: float) -> RootCause:
     first = _specific_in_block(earliest(candidates), candidates)
     group = [f for f in candidates if f.signature == first.signature]
+    if first.category is Category.CRASH_SIGNAL and first.attributed_by == "launcher":
+        # the launcher reports each worker's signal in its own words (its `failed` line, the
+        # summary's entries): the workers that died of the same signal are one group
+        group = [f for f in candidates if f.rule.id == first.rule.id and f.attributed_by == "launcher"]
     ranks = _ranks(group)
     reasons = []
     rank = first.rank
     if not ranks and len(group) >= 2 and len(group) == len(facts.known):
         ranks = tuple(sorted(facts.known))  # one unprefixed copy per rank (before the process group existed)
     if len(ranks) > 1:
-        shared = ("the machine or the installation they share" if first.category is Category.ENVIRONMENT
-                  else "a code or data bug shared by all")
+        shared = {Category.ENVIRONMENT: "the machine or the installation they share",
+                  Category.CRASH_SIGNAL: "something they all share (the code, a native library, the machine)",
+                  }.get(first.category, "a code or data bug shared by all")
         reasons.append(f"the same error on {len(ranks)} ranks: {shared}")
         first_text: dict[int, str] = {}
         for f in sorted(group, key=lambda f: f.seq):
