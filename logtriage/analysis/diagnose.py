@@ -178,7 +178,8 @@ def _rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure],
     for key, s in stats.items():
         if key.kind is StreamKind.RANK and s.last_step is not None:
             last_step[key.rank] = s.last_step
-    return RankFacts(frozenset(known), exit_codes, frozenset(completed), last_step)
+    summary_root = next((f.rank for f in reversed(failures) if f.is_root_cause), None)
+    return RankFacts(frozenset(known), exit_codes, frozenset(completed), last_step, summary_root)
 
 
 def _first_progress(stats: dict[StreamKey, SlotStats]) -> tuple[int, int] | None:

@@ -184,6 +184,8 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
             rank = min(ranks)  # the very same line everywhere: no rank went first
         elif rank is None:
             rank = min(ranks)
+        if all(f.attributed_by == "launcher" for f in group) and facts.summary_root in ranks:
+            rank = facts.summary_root   # only the launcher's reports: the one it observed first
         refined = refine_rank(first, live, ranks)
         if refined is not None:
             rank = refined

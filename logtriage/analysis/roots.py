@@ -50,6 +50,7 @@ class RankFacts:
     exit_codes: dict[int, int] = field(default_factory=dict)      # rank -> worker exit code
     completed: frozenset[int] = frozenset()                        # ranks that exited 0
     last_step: dict[int, int] = field(default_factory=dict)
+    summary_root: int | None = None     # the rank torchelastic's "Root Cause (first observed failure)" names
 
 
 def earliest(findings: list[Finding]) -> Finding:
