@@ -719,3 +719,16 @@ def test_workers_that_died_of_the_same_signal_are_one_rank_set(tmp_path):
                       "Root Cause (first observed failure):\n" + entry.format(i=0, r=0)
                       + "=======================================================\n")["root_cause"]
     assert (rc["rule_id"], rc["rank"], rc["ranks"]) == ("signal.sigsegv", 0, [0, 1, 2])
+
+
+def test_with_only_exit_codes_the_summarys_first_observed_failure_is_the_rank(tmp_path):
+    # hiyouga/ChatGLM-Efficient-Tuning#75 (sample_logs/public67/chatglmefficienttuning75_*): two
+    # workers exited 1 in the same second; the summary lists rank 1 under Failures, rank 0 as root
+    log = tmp_path / "exits.log"
+    entry = ("[{i}]:\n  time      : 2023-06-05_17:57:46\n  host      : node-a\n  rank      : {r} (local_rank: {r})\n"
+             "  exitcode  : 1 (pid: 3988{r})\n  error_file: <N/A>\n"
+             "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n")
+    rc = _report(log, "------------------------------------------------------------\nFailures:\n"
+                      + entry.format(i=1, r=1) + "------------------------------------------------------------\n"
+                      "Root Cause (first observed failure):\n" + entry.format(i=0, r=0))["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["ranks"]) == ("signal.exit_nonzero", 0, [0, 1])
