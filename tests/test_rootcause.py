@@ -19,6 +19,17 @@ def _traceback(path: str, line: int, function: str, code: str, *tail: str) -> st
             + "".join(t + "\n" for t in tail))
 
 
+def _summary(entry: str, failures: tuple[int, ...], root: int) -> str:
+    """torchelastic's ChildFailedError block: `entry` (with {i} and {r}) for each failed rank
+    under Failures, then the Root Cause entry."""
+    rule = "------------------------------------------------------------\n"
+    return ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+            "============================================================\ntrain FAILED\n" + rule + "Failures:\n"
+            + "".join(entry.format(i=i, r=r) for i, r in enumerate(failures, 1)) + rule
+            + "Root Cause (first observed failure):\n" + entry.format(i=0, r=root)
+            + "============================================================\n")
+
+
 def test_the_exception_line_is_reported_not_the_raise_line_above_it(tmp_path):
     # a rule that names the exception type also matches the frame's code line `raise X(`
     log = tmp_path / "r.log"
@@ -560,13 +571,7 @@ def test_a_shared_exception_in_the_launchers_error_files_names_every_rank_that_r
              "  ModuleNotFoundError: No module named 'flash_attn_3'\n")
     log = tmp_path / "summary.log"
     rc = _report(log, "[rank0]:[rank0]: ModuleNotFoundError: No module named 'flash_attn_3'\n"
-                      "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
-                      "============================================================\ntrain FAILED\n"
-                      "------------------------------------------------------------\nFailures:\n"
-                      + entry.format(i=1, r=1) + entry.format(i=2, r=2)
-                      + "------------------------------------------------------------\n"
-                      "Root Cause (first observed failure):\n" + entry.format(i=0, r=0)
-                      + "============================================================\n")["root_cause"]
+                      + _summary(entry, (1, 2), 0))["root_cause"]
     assert (rc["rule_id"], rc["rank"], rc["ranks"]) == ("python.module_not_found", 0, [0, 1, 2])
 
 
@@ -711,13 +716,7 @@ def test_workers_that_died_of_the_same_signal_are_one_rank_set(tmp_path):
              "  exitcode  : -11 (pid: 2132{r})  (SIGSEGV)\n  error_file: <N/A>\n"
              "  traceback : Signal 11 (SIGSEGV) received by PID 2132{r}\n")
     rc = _report(log, f"{agent}failed (exitcode: -11) local_rank: 0 (pid: 21320) of binary: /venv/bin/python3\n"
-                      "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
-                      "=======================================================\ntrain.py FAILED\n"
-                      "-------------------------------------------------------\nFailures:\n"
-                      + entry.format(i=1, r=1) + entry.format(i=2, r=2)
-                      + "-------------------------------------------------------\n"
-                      "Root Cause (first observed failure):\n" + entry.format(i=0, r=0)
-                      + "=======================================================\n")["root_cause"]
+                      + _summary(entry, (1, 2), 0))["root_cause"]
     assert (rc["rule_id"], rc["rank"], rc["ranks"]) == ("signal.sigsegv", 0, [0, 1, 2])
 
 
@@ -728,7 +727,5 @@ def test_with_only_exit_codes_the_summarys_first_observed_failure_is_the_rank(tm
     entry = ("[{i}]:\n  time      : 2023-06-05_17:57:46\n  host      : node-a\n  rank      : {r} (local_rank: {r})\n"
              "  exitcode  : 1 (pid: 3988{r})\n  error_file: <N/A>\n"
              "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n")
-    rc = _report(log, "------------------------------------------------------------\nFailures:\n"
-                      + entry.format(i=1, r=1) + "------------------------------------------------------------\n"
-                      "Root Cause (first observed failure):\n" + entry.format(i=0, r=0))["root_cause"]
+    rc = _report(log, _summary(entry, (1,), 0))["root_cause"]
     assert (rc["rule_id"], rc["rank"], rc["ranks"]) == ("signal.exit_nonzero", 0, [0, 1])
