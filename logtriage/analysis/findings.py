@@ -38,7 +38,8 @@ _SIGNAL_RULES = {"SIGSEGV": "signal.sigsegv", "SIGABRT": "signal.sigabrt", "SIGB
 # "Rank 1 is running collective"); used when the line itself carries no rank prefix.
 SELF_RANK_CAPTURES = ("self_rank", "pg_rank")
 _GLUED_NAME = re.compile(r"([\w.]{4,}?)\1+")
-_SRUN_TASK = re.compile(r"\s*srun: error: \S+: tasks? \d")
+# srun's notice of how a task (or tasks) ended: `srun: error: node01: task 3: Exited with exit code 1`
+SRUN_TASK_NOTICE = re.compile(r"\s*srun: error: \S+: tasks? [\d,-]+: ")
 _BLOCK_KINDS_WITH_ONE_EVENT = frozenset({"traceback", "native", "cpp", "fault"})
 _RAISE_LINE = re.compile(r"^\s+raise\b")
 # `terminate called after throwing ...` only wraps what its `what():` line says: any other error
@@ -164,7 +165,7 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
             rank, how = _launcher_rank(hit, entry_rank, local_to_rank, pid_rank)
             stamp = entry_time.get((hit.source, hit.line)) or stamp
         if "rank" in hit.captures and hit.captures["rank"].isdigit():
-            if not (tasks_are_nodes and _SRUN_TASK.match(hit.text)):
+            if not (tasks_are_nodes and SRUN_TASK_NOTICE.match(hit.text)):
                 rank, how = int(hit.captures["rank"]), "capture"
         elif rank is None:
             named = next((hit.captures[k] for k in SELF_RANK_CAPTURES if hit.captures.get(k, "").isdigit()), None)

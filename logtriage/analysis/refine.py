@@ -7,10 +7,9 @@ process sat in a wait is the hang someone stopped. Readings of one exception are
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
-from logtriage.analysis.findings import Finding
+from logtriage.analysis.findings import SRUN_TASK_NOTICE, Finding
 from logtriage.analysis.hangs import fallback_rule
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.timeouts import missing_rank_root
@@ -130,7 +129,6 @@ def hangup_forwarded(findings: list[Finding], catalog: Catalog) -> RootCause | N
 
 
 SIGTERM_RULE = "signal.sigterm"
-_SRUN_NOTICE = re.compile(r"\s*srun: error: \S+: tasks? [\d,-]+: ")
 SIGTERM_UNSENT = "signal.sigterm_unsent"
 
 
@@ -148,7 +146,7 @@ def unsent_sigterms(findings: list[Finding], catalog: Catalog) -> list[Finding]:
               and int(f.captures["pid"]) not in sent}
     # srun reports each task's end; it terminates tasks itself only after one failed (or on a
     # cancel, all at once): a single task's "Terminated" before any other task's end was its own
-    notices = sorted((f for f in findings if _SRUN_NOTICE.match(f.text)), key=lambda f: f.seq)
+    notices = sorted((f for f in findings if SRUN_TASK_NOTICE.match(f.text)), key=lambda f: f.seq)
     if len(notices) > 1 and notices[0].rule.id == SIGTERM_RULE and notices[1].rule.id != SIGTERM_RULE:
         unsent.add(id(notices[0]))
     return [replace(f, rule=rule) if id(f) in unsent else f for f in findings]
