@@ -142,14 +142,16 @@ def unsent_sigterms(findings: list[Finding], catalog: Catalog) -> list[Finding]:
         return findings
     sent = {int(f.captures["pid"]) for f in findings if f.rule.id == TEARDOWN_RULE
             and f.captures.get("signal") == "SIGTERM" and f.captures.get("pid", "").isdigit()}
-    unsent = {id(f) for f in findings if sent and f.rule.id == SIGTERM_RULE and f.captures.get("pid", "").isdigit()
-              and int(f.captures["pid"]) not in sent}
+    unsent = {i for i, f in enumerate(findings) if sent and f.rule.id == SIGTERM_RULE
+              and f.captures.get("pid", "").isdigit() and int(f.captures["pid"]) not in sent}
     # srun reports each task's end; it terminates tasks itself only after one failed (or on a
     # cancel, all at once): a single task's "Terminated" before any other task's end was its own
-    notices = sorted((f for f in findings if SRUN_TASK_NOTICE.match(f.text)), key=lambda f: f.seq)
-    if len(notices) > 1 and notices[0].rule.id == SIGTERM_RULE and notices[1].rule.id != SIGTERM_RULE:
-        unsent.add(id(notices[0]))
-    return [replace(f, rule=rule) if id(f) in unsent else f for f in findings]
+    notices = sorted((i for i, f in enumerate(findings) if SRUN_TASK_NOTICE.match(f.text)),
+                     key=lambda i: findings[i].seq)
+    if len(notices) > 1 and findings[notices[0]].rule.id == SIGTERM_RULE \
+            and findings[notices[1]].rule.id != SIGTERM_RULE:
+        unsent.add(notices[0])
+    return [replace(f, rule=rule) if i in unsent else f for i, f in enumerate(findings)]
 
 
 def teardown_only(findings: list[Finding]) -> RootCause | None:

@@ -279,7 +279,7 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
             if lm:
                 local = int(lm.group(1))
             layers.append("template")
-    m = _RANK_LABEL.match(text)
+    m = _RANK_LABEL.match(text) if text.startswith("[RANK ") else None
     if m and rank is None:
         rank, text = int(m.group(1)), text[m.end():]
         layers.append("template")

@@ -36,15 +36,11 @@ class Task:
     notice: Callable[[int], bytes] | None = None   # the launcher's line when the task fails, from its exit code
 
 
-_SIGNAL_TEXT = {signal.SIGKILL: "Killed", signal.SIGSEGV: "Segmentation fault", signal.SIGABRT: "Aborted",
-                signal.SIGTERM: "Terminated", signal.SIGBUS: "Bus error", signal.SIGINT: "Interrupt",
-                signal.SIGFPE: "Floating point exception"}
-
-
 def srun_notice(node: str, task: int) -> Callable[[int], bytes]:
     """srun's report of a task that failed: its exit code, or the signal that ended it."""
     def notice(code: int) -> bytes:
-        status = (_SIGNAL_TEXT.get(-code, f"Signal {-code}") if code < 0 else f"Exited with exit code {code}")
+        # a signal's name as srun prints it is the C library's strsignal text ("Segmentation fault")
+        status = (signal.strsignal(-code) or f"Signal {-code}") if code < 0 else f"Exited with exit code {code}"
         return f"srun: error: {node}: task {task}: {status}\n".encode()
     return notice
 
