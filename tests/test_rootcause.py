@@ -545,6 +545,22 @@ def test_a_message_glued_after_another_processs_progress_bar_is_read_alone(tmp_p
     assert (rc["rule_id"], rc["rank"]) == ("hang.watchdog_heartbeat", 1)
 
 
+def test_a_native_abort_glued_after_its_own_progress_bar_under_tee_is_one_event(tmp_path):
+    # a real CPU run (cpu_matrix seed 3402, `--tee 3` with tqdm): torchrun's tee reads lines in text
+    # mode, so each `\r` ends a line and the bar's last state carries the abort glued after it; the
+    # `what():` line names gloo's size check
+    log = tmp_path / "tee.log"
+    rc = _report(log, "[default2]:rank 2:  17%|█▋        | 1/6 [00:00<00:01,  3.30it/s]\n"
+                      "[default2]:rank 2:  33%|███▎      | 2/6 [00:00<00:00,  6.97it/s]terminate called after "
+                      "throwing an instance of 'gloo::EnforceNotMet'\n"
+                      "[default1]:[rank1]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
+                      "error [127.0.0.1]:17802: Connection reset by peer\n"
+                      "[default2]:  what():  [enforce fail at ../third_party/gloo/gloo/transport/tcp/pair.cc:456] "
+                      "op.preamble.length <= op.nbytes. 8 vs 4. Received data size doesn't match expected size. Is "
+                      "there a distributed collective mismatch in your code?\n")["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["line"]) == ("gloo.size_mismatch", 2, 4)
+
+
 def test_a_file_system_error_in_a_module_named_for_checkpoints_is_a_checkpoint_failure(tmp_path):
     # facebookresearch/PyTorch-BigGraph#142 (sample_logs/public48/pbg_142_*): the partition file of
     # the checkpoint is not on this machine

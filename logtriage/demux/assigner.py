@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from logtriage.demux import blocks as B
 from logtriage.demux import launcher as L
+from logtriage.demux.clean import after_bar
 from logtriage.demux.frames import FRAME, TracebackFacts, watch_traceback_line
 from logtriage.demux.prefixes import Dialect, line_prefix_end, strip_prefixes
 from logtriage.demux.split import split_glued
@@ -112,6 +113,8 @@ class Assigner:
     def _assign(self, line: str) -> Part:
         p = strip_prefixes(line, self.dialect)
         text = p.text
+        if "/s]" in text or "/it]" in text:     # a progress bar with a message glued after it
+            text = after_bar(text)
         if "ray" in p.layers:
             self.facts.ray_workers = True
         self._settle_pending_rule(text)

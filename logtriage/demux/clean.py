@@ -69,11 +69,13 @@ def _last_redraw(text: str) -> str:
         for part in reversed(parts):
             if not _PROGRESS_BAR.search(part):
                 return part
-    return _after_bar(parts[-1])
+    return after_bar(parts[-1])
 
 
-def _after_bar(part: str) -> str:
+def after_bar(part: str) -> str:
     """The redrawn bar's last state with a message glued after it: the message is what the line
-    carries (the bar's own state is redrawn again a moment later)."""
+    carries (the bar's own state is redrawn again a moment later). Also for lines without a `\\r`:
+    a reader in text mode (torchrun's `--tee`) ends lines at each `\\r`, so the bar's last state
+    and the message written after it arrive as one line behind the stream's prefix."""
     m = _BAR_THEN_TEXT.search(part)
     return part[m.end():] if m else part
