@@ -745,3 +745,51 @@ def test_with_only_exit_codes_the_summarys_first_observed_failure_is_the_rank(tm
              "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n")
     rc = _report(log, _summary(entry, (1,), 0))["root_cause"]
     assert (rc["rule_id"], rc["rank"], rc["ranks"]) == ("signal.exit_nonzero", 0, [0, 1])
+
+
+def test_an_unprefixed_exception_belongs_to_the_one_task_srun_saw_fail(tmp_path):
+    # Lightning under srun (sample_logs/public69/quantumhydra_*): task 3 exited on its own, srun
+    # terminated the others; with two tasks failing, srun's order of notices names no culprit
+    log = tmp_path / "srun.log"
+    error = "FileExistsError: [Errno 17] File exists:\n'/scratch/PhysioNet_EEG/MNE-eegbci-data/files/S043'\n\n"
+    rc = _report(log, error + "srun: error: node: task 3: Exited with exit code 1\n"
+                              "slurmstepd: error: *** STEP 45380617.0 ON node CANCELLED AT 2025-11-19T12:13:27 ***\n"
+                              "srun: error: node: tasks 0-2: Terminated\n")["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["line"]) == ("python.exception", 3, 1)
+    rc = _report(log, error + "srun: error: node-b: task 1: Exited with exit code 1\n"
+                              "srun: error: node-a: task 0: Exited with exit code 1\n")["root_cause"]
+    assert (rc["rule_id"], rc["rank"]) == ("python.exception", None)
+
+
+def test_an_unprefixed_kernel_assert_belongs_to_the_only_rank_in_the_excerpt(tmp_path):
+    # ecmwf/WeatherGenerator (sample_logs/public70/weathergen255_*): the device's assert line, then
+    # rank 104's traceback cut before its exception line
+    log = tmp_path / "assert.log"
+    assert_line = ("/opt/pytorch/pytorch/aten/src/ATen/native/cuda/ScatterGatherKernel.cu:144: operator(): block: "
+                   "[7354,0,0], thread: [64,0,0] Assertion `idx_dim >= 0 && idx_dim < index_size && \"index out of "
+                   "bounds\"` failed.\n")
+    rank104 = ("[rank104]: Traceback (most recent call last):\n"
+               '[rank104]:   File "/venv/bin/train_continue", line 10, in <module>\n'
+               "[rank104]:     sys.exit(train_continue())\n")
+    rc = _report(log, assert_line + rank104)["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["line"]) == ("cuda.device_side_assert", 104, 1)
+    # a rank that only reports a peer's failure is a victim, not the owner
+    victim = ("[rank3]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by "
+              "peer [127.0.0.1]:5245\n")
+    assert _report(log, assert_line + victim)["root_cause"]["rank"] is None
+
+
+def test_one_exception_raised_at_the_same_place_on_two_ranks_is_one_bug(tmp_path):
+    # transformers' from_pretrained on two pipeline stages (sample_logs/public70/distinference_*):
+    # the same ValueError from the same function, each naming its own parameter
+    log = tmp_path / "same_place.log"
+
+    def rank_traceback(rank: int, param: str) -> str:
+        return (f"[rank{rank}]: Traceback (most recent call last):\n"
+                f'[rank{rank}]:   File "/venv/transformers/modeling_utils.py", line 918, in '
+                f"_load_state_dict_into_meta_model\n"
+                f'[rank{rank}]:     raise ValueError(f"{{param_name}} doesn\'t have any device set.")\n'
+                f"[rank{rank}]: ValueError: {param} doesn't have any device set.\n")
+    rc = _report(log, rank_traceback(1, "model.layers.0.self_attn.q_proj.weight")
+                 + rank_traceback(0, "model.embed_tokens.weight"))["root_cause"]
+    assert (rc["rule_id"], rc["ranks"], rc["exception_type"]) == ("python.exception", [0, 1], "ValueError")

@@ -161,7 +161,8 @@ def _merge_stats(scan: ScanResult, keys: list[StreamKey]) -> dict[StreamKey, Slo
 
 def _rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure], findings: list[Finding],
                 world_size: int | None) -> RankFacts:
-    known = {k.rank for k in stats if k.kind is StreamKind.RANK}
+    speaking = {k.rank for k, s in stats.items() if k.kind is StreamKind.RANK and s.lines}
+    known = set(speaking)
     known |= {f.rank for f in failures if f.rank is not None}
     known |= {f.rank for f in findings if f.rank is not None}
     if world_size and world_size <= 65536 and (not known or max(known) < world_size):
@@ -179,7 +180,7 @@ def _rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure],
         if key.kind is StreamKind.RANK and s.last_step is not None:
             last_step[key.rank] = s.last_step
     summary_root = next((f.rank for f in reversed(failures) if f.is_root_cause), None)
-    return RankFacts(frozenset(known), exit_codes, frozenset(completed), last_step, summary_root)
+    return RankFacts(frozenset(known), exit_codes, frozenset(completed), last_step, summary_root, frozenset(speaking))
 
 
 def _first_progress(stats: dict[StreamKey, SlotStats]) -> tuple[int, int] | None:

@@ -1,13 +1,16 @@
 """Which rank an error belongs to when its own line does not say: the launcher's reports and
 exit codes, the ranks that printed the same kind of error, the first rank whose progress shows
-it, the odd one out of DETAIL's collective fingerprints, the ranks missing from a start-up barrier."""
+it, the odd one out of DETAIL's collective fingerprints, the ranks missing from a start-up barrier,
+the only rank whose own lines are in an excerpt."""
 
 from __future__ import annotations
+
+import re
 
 from logtriage.analysis.childfailed import is_own_failure
 from logtriage.analysis.findings import Finding, short_type
 from logtriage.analysis.roots import RankFacts, earliest
-from logtriage.catalog.rule import Category, Role
+from logtriage.catalog.rule import Category, Layer, Role
 from logtriage.scan import STEP
 
 
@@ -26,14 +29,25 @@ def all_exited_alike(first: Finding, group: list[Finding], live: list[Finding], 
 
 
 _LAUNCHER_EXITS = frozenset({"signal.exit_nonzero", "signal.sigkill", "signal.sigsegv", "signal.sigabrt",
-                             "signal.sigbus", "signal.other_signal", "launcher.spawn_child_error"})
+                             "signal.sigbus", "signal.other_signal", "launcher.spawn_child_error",
+                             "sched.srun_task_exit"})
 
 
 def rank_the_launcher_saw_fail(live: list[Finding]) -> int | None:
     """The first worker the launcher reported failing with its own exit (torchrun's
-    `failed (exitcode: 1) local_rank: 1`, mp.spawn's process N, composer's `Rank N crashed`)."""
+    `failed (exitcode: 1) local_rank: 1`, mp.spawn's process N, composer's `Rank N crashed`, srun's
+    `task 3: Exited with exit code 1` where a task is a rank)."""
     exits = [f for f in live if f.rule.id in _LAUNCHER_EXITS and f.rank is not None]
+    if not _one_srun_task_failed(live):
+        exits = [f for f in exits if f.rule.id != "sched.srun_task_exit"]
     return min(exits, key=lambda f: f.seq).rank if exits else None
+
+
+def _one_srun_task_failed(live: list[Finding]) -> bool:
+    """srun lists the tasks that ended badly in batches, not in the order they failed: its notices
+    name the culprit only when they name one task (the others "Terminated" by srun)."""
+    notices = [f for f in live if f.rule.id == "sched.srun_task_exit"]
+    return all(f.rank is not None for f in notices) and len({f.rank for f in notices}) == 1
 
 
 def missing_from_barrier(findings: list[Finding]) -> list[int]:
@@ -102,6 +116,23 @@ def mismatch_odd_one_out(live: list[Finding]) -> int | None:
     majority = max(counts.values())
     odd = [r for r, fp in prints.items() if counts[fp] < majority]
     return odd[0] if len(odd) == 1 and list(counts.values()).count(majority) == 1 else None
+
+
+# NCCL's own process label on its INFO/WARN lines: `node-b:4827:6900 [4] `
+_NCCL_PROCESS = re.compile(r"^\S+:\d+:\d+ \[\d+\] ")
+
+
+def lone_speaker(first: Finding, live: list[Finding], facts: RankFacts) -> int | None:
+    """An excerpt where one rank's own lines are all there is (a kernel's assert printed without
+    a prefix, then rank 104's traceback cut before its exception): the unattributed error is that
+    rank's, unless it reports a consequence of another rank's failure (then it is a victim)."""
+    if len(facts.speaking) != 1 or first.rule.layer in (Layer.LAUNCHER, Layer.CONTAINER):
+        return None   # a launcher's or scheduler's line is about a node or the job, not a rank
+    if first.text.startswith("[") or _NCCL_PROCESS.match(first.text):
+        return None   # a label of its own the tool could not read, or NCCL's host:pid:tid: another process
+    rank = next(iter(facts.speaking))
+    victim = any(f.rank == rank and f.role is Role.CASCADE_CANDIDATE for f in live)
+    return None if victim else rank
 
 
 def rank_from_exit_codes(facts: RankFacts) -> int | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
-from logtriage.analysis.rank_evidence import (all_exited_alike, mismatch_odd_one_out, missing_from_barrier,
+from logtriage.analysis.rank_evidence import (all_exited_alike, lone_speaker, mismatch_odd_one_out, missing_from_barrier,
                                               rank_from_exit_codes, rank_reporting_the_same,
                                               rank_the_launcher_saw_fail, refine_rank)
 from logtriage.analysis.roots import ChainLink, ChainRole, RankFacts, RootCause, earliest
@@ -161,7 +161,7 @@ def _specific_in_block(first: Finding, candidates: list[Finding]) -> Finding:
 
 def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts, confidence: float) -> RootCause:
     first = _specific_in_block(earliest(candidates), candidates)
-    group = [f for f in candidates if f.signature == first.signature]
+    group = [f for f in candidates if f.signature == first.signature or _raised_at_the_same_place(f, first)]
     if first.category is Category.CRASH_SIGNAL and first.attributed_by == "launcher":
         # the launcher reports each worker's signal in its own words (its `failed` line, the
         # summary's entries): the workers that died of the same signal are one group
@@ -201,7 +201,10 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
                           (lambda: rank_from_exit_codes(facts),
                            "rank {} is the only worker that failed with its own exit code"),
                           (lambda: next(iter(facts.known)) if len(facts.known) == 1 else None,
-                           "rank {} is the only rank in this log")):
+                           "rank {} is the only rank in this log"),
+                          (lambda: lone_speaker(first, live, facts),
+                           "rank {} is the only rank whose own lines are in this log, and it reports no "
+                           "consequence of another rank's failure")):
             rank = find()
             if rank is not None:
                 ranks = (rank,)
@@ -223,6 +226,15 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
         rank, ranks = culprit, (culprit,)
         reasons.append(f"a debug report names rank {culprit} as the one that lagged or differed")
     return RootCause(first.rule, first, rank, ranks, confidence, tuple(reasons))
+
+
+def _raised_at_the_same_place(f: Finding, first: Finding) -> bool:
+    """The same exception type raised by the same innermost function on another rank, with a
+    message that differs only in what it names (`model.embed_tokens.weight doesn't have any device
+    set.` on rank 0, `model.layers.0...` on rank 1): one bug, as the same line would be."""
+    return (f.rule.id == first.rule.id and f.rank != first.rank and bool(first.last_frame)
+            and f.last_frame == first.last_frame and f.exception_type is not None
+            and f.exception_type == first.exception_type)
 
 
 def _ranks(findings) -> tuple[int, ...]:

@@ -51,6 +51,7 @@ class RankFacts:
     completed: frozenset[int] = frozenset()                        # ranks that exited 0
     last_step: dict[int, int] = field(default_factory=dict)
     summary_root: int | None = None     # the rank torchelastic's "Root Cause (first observed failure)" names
+    speaking: frozenset[int] = frozenset()   # ranks with lines of their own in the log
 
 
 def earliest(findings: list[Finding]) -> Finding:

@@ -71,10 +71,11 @@ def _exception_type(scan: ScanResult, diag: Diagnosis, finding: Finding) -> str 
     if stream.kind is StreamKind.LAUNCHER:
         return None   # a launcher line about a worker: the launcher's own traceback is not its cause
     # the same error again soon after, as an exception line (spliced pastes; an unprefixed C++ warning
-    # of torchrun's store, then the agent's own traceback ending in that error)
+    # of torchrun's store, then the agent's own traceback ending in that error; an unprefixed NCCL
+    # WARN, then a rank's DistBackendError quoting it)
     for other in diag.findings:
         same_process = other.stream == stream or (stream.kind is StreamKind.UNATTRIBUTED
-                                                  and other.stream.kind is StreamKind.LAUNCHER)
+                                                  and other.stream.kind in (StreamKind.LAUNCHER, StreamKind.RANK))
         if (other.rule.id == finding.rule.id and same_process and other.exception_type
                 and other.source == finding.source and finding.line < other.line <= finding.line + NEARBY_LINES):
             return other.exception_type
