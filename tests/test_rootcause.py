@@ -793,3 +793,21 @@ def test_one_exception_raised_at_the_same_place_on_two_ranks_is_one_bug(tmp_path
     rc = _report(log, rank_traceback(1, "model.layers.0.self_attn.q_proj.weight")
                  + rank_traceback(0, "model.embed_tokens.weight"))["root_cause"]
     assert (rc["rule_id"], rc["ranks"], rc["exception_type"]) == ("python.exception", [0, 1], "ValueError")
+
+
+def test_a_worker_pid_two_hosts_reused_is_read_from_its_own_agents_summary(tmp_path):
+    # many agents in one log (benchmarks/generate.py with 8192 ranks on 1024 nodes; real hosts
+    # reuse pids too): each agent's `failed` line is the worker its own summary lists next
+    log = tmp_path / "nodes.log"
+    agent = "E1130 00:24:48.250000 79257 torch/distributed/elastic/multiprocessing/api.py:869] "
+
+    def node(host: str, rank: int, local: int, code: int) -> str:
+        entry = (f"[{{i}}]:\n  time      : 2026-11-30_00:24:47\n  host      : {host}\n"
+                 f"  rank      : {{r}} (local_rank: {local})\n  exitcode  : {code} (pid: 79299)\n  error_file: <N/A>\n"
+                 "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n")
+        return (f"{agent}failed (exitcode: {code}) local_rank: {local} (pid: 79299) of binary: /usr/bin/python3\n"
+                + _summary(entry, (), rank))
+    report = _report(log, node("node-275", 2201, 1, 1) + node("node-698", 5587, 3, 2))
+    failed_lines = {f["line"]: f["rank"] for f in report["findings"] if f["text"].startswith("E1130")}
+    assert sorted(failed_lines.values()) == [2201, 5587]
+    assert failed_lines[min(failed_lines)] == 2201

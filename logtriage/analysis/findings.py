@@ -148,9 +148,8 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
             extra.append(hit)     # a whole paste on one line: the launcher's summary and the exit code in it
         if not _passive(hit.rule):
             failing.add(hit.seq)
-    local_to_rank = {f.local_rank: f.rank for f in failures if f.local_rank is not None and f.rank is not None}
     entry_rank = {(f.source, f.line): f.rank for f in failures}
-    pid_rank = {f.pid: f.rank for f in failures if f.pid is not None and f.rank is not None}
+    workers = [f for f in failures if f.rank is not None]
     entry_time = {(f.source, f.line): f.time for f in failures}
     # srun started torchrun agents (its labels say so, or torchelastic summarised the workers):
     # srun's `task N` is then a node's agent, not rank N
@@ -162,7 +161,7 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
         stamp = hit.stamp
         if stream.kind is StreamKind.LAUNCHER or (rank is None and _WORKER_FIELDS & hit.captures.keys()):
             # a launcher's line about one worker, also when glued to other output
-            rank, how = _launcher_rank(hit, entry_rank, local_to_rank, pid_rank)
+            rank, how = _launcher_rank(hit, entry_rank, workers)
             stamp = entry_time.get((hit.source, hit.line)) or stamp
         if "rank" in hit.captures and hit.captures["rank"].isdigit():
             if not (tasks_are_nodes and SRUN_TASK_NOTICE.match(hit.text)):
@@ -218,18 +217,29 @@ def _best_per_traceback(findings: list[Finding], block_kinds: dict[int, str]) ->
     return [f for f in kept if not (_RAISE_LINE.match(f.text) and (f.block_id, f.rule.id) in said)]
 
 
-def _launcher_rank(hit: Hit, entry_rank: dict, local_to_rank: dict, pid_rank: dict) -> tuple[int | None, str]:
+def _launcher_rank(hit: Hit, entry_rank: dict, workers: list[ChildFailure]) -> tuple[int | None, str]:
     if (hit.source, hit.line) in entry_rank:
         return entry_rank[(hit.source, hit.line)], "launcher"
     pid = hit.captures.get("pid")
-    if pid and pid.isdigit() and int(pid) in pid_rank:
-        return pid_rank[int(pid)], "launcher"   # the pid the summary names: exact even across nodes
-    for name in ("local_rank", "process", "task"):
-        value = hit.captures.get(name)
-        if value is not None and value.isdigit():
-            local = int(value)
-            return local_to_rank.get(local, local), "launcher"
+    local = next((int(hit.captures[n]) for n in ("local_rank", "process", "task")
+                  if hit.captures.get(n, "").isdigit()), None)
+    if pid and pid.isdigit():
+        named = [w for w in workers if w.pid == int(pid) and (local is None or w.local_rank in (None, local))]
+        if named:   # the pid the summary names: exact across nodes, unless two hosts reused it
+            return _nearest_summary(hit, named).rank, "launcher"
+    if local is not None:
+        same_local = [w for w in workers if w.local_rank == local]
+        return (_nearest_summary(hit, same_local).rank if same_local else local), "launcher"
     return None, "stream"
+
+
+def _nearest_summary(hit: Hit, entries: list[ChildFailure]) -> ChildFailure:
+    """Of the summary entries that could be this worker's (one per node in a log of many agents),
+    the one its own agent printed: the first after the line, else the last before it."""
+    after = [e for e in entries if (e.source, e.line) >= (hit.source, hit.line)]
+    if after:
+        return min(after, key=lambda e: (e.source, e.line))
+    return max(entries, key=lambda e: (e.source, e.line))
 
 
 def attribute_by_signal(findings: list[Finding], failures: list[ChildFailure]) -> list[Finding]:
