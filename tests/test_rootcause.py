@@ -811,3 +811,27 @@ def test_a_worker_pid_two_hosts_reused_is_read_from_its_own_agents_summary(tmp_p
     failed_lines = {f["line"]: f["rank"] for f in report["findings"] if f["text"].startswith("E1130")}
     assert sorted(failed_lines.values()) == [2201, 5587]
     assert failed_lines[min(failed_lines)] == 2201
+
+
+def test_a_failure_torchrun_restarted_from_is_recovered_when_the_run_then_finishes(tmp_path):
+    # a real CPU run (sample_logs/cpu_adhoc/restart_ok_np2_r1): rank 1's KeyError in attempt 0,
+    # torchrun --max-restarts 1 restarts the workers, attempt 1 finishes; torchrun exited 0
+    log = tmp_path / "restart.log"
+    agent = "E1130 20:52:17.280000 1747 torch/distributed/elastic/multiprocessing/api.py:1002] "
+    attempt0 = ("[rank 1] attempt 0 step 1 loss 8.0\n[rank1]: Traceback (most recent call last):\n"
+                '[rank1]:   File "/tmp/job/fault4.py", line 11, in <module>\n[rank1]:     print(batch["labels"])\n'
+                "[rank1]: KeyError: 'labels'\n"
+                f"{agent}failed (exitcode: 1) local_rank: 1 (pid: 1771) of binary: /tmp/venv/bin/python3\n")
+    attempt1 = "[rank 1] attempt 1 step 2 loss 8.0\n[rank 0] training finished\n[rank 1] training finished\n"
+    report = _report(log, attempt0 + attempt1)
+    assert (report["verdict"], report["root_cause"]) == ("ok", None)
+    back = report["recovered"]
+    assert (back["rule_id"], back["rank"], back["line"], back["exception_type"]) == ("python.exception", 1, 5, "KeyError")
+    # the restart failed too: torchrun's summary ends the run, the KeyError is its root
+    summary = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+               "============================================================\nfault4.py FAILED\n")
+    report = _report(log, attempt0 + "[rank 1] attempt 1 step 0 loss 8.0\n" + summary)
+    assert (report["verdict"], report["root_cause"]["rank"], report["recovered"]) == ("failed", 1, None)
+    # no restart: a rank that finished its loop does not undo another rank's failure
+    report = _report(log, attempt0.replace(agent + "failed", "failed?") + "[rank 0] training finished\n")
+    assert report["verdict"] == "failed"

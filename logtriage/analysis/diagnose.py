@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from logtriage.analysis.childfailed import ChildFailure, is_killed, is_own_failure, parse_child_failures
+from logtriage.analysis.childfailed import ChildFailure, is_own_failure, parse_child_failures
 from logtriage.analysis.environment import Environment, collect_environment
 from logtriage.analysis.exceptions import (checkpoint_io, error_file_exception, frame_reading,
                                            probe_json_without_banner, same_error_in_summary)
@@ -18,6 +18,7 @@ from logtriage.analysis.hangs import (
     world_incomplete,
 )
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid, shared_gpu
+from logtriage.analysis.recovered import restarted_then_finished
 from logtriage.analysis.refine import (
     PEER_LEFT_RULES,
     STOPPED_WHILE_WAITING,
@@ -36,24 +37,14 @@ from logtriage.analysis.refine import (
     unsent_sigterms,
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
+from logtriage.analysis.statuses import StreamSummary, stream_statuses
 from logtriage.analysis.stopped import FINISHED_RULE, log_tail, message_of, output_stopped, unknown_error_line
-from logtriage.analysis.roots import ChainLink, ChainRole, RankFacts, RootCause, Verdict
+from logtriage.analysis.roots import ChainLink, RankFacts, RootCause, Verdict
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.ingest.lines import read_lines
 from logtriage.scan import ScanResult, SlotStats
-
-
-@dataclass(frozen=True)
-class StreamSummary:
-    key: StreamKey
-    lines: int
-    first_error: Finding | None
-    last_step: int | None
-    last_step_line: tuple[int, int] | None
-    status: str                      # ok | failed | hung | killed | unknown
-    role: str                        # root | cascade | teardown | none
 
 
 @dataclass(frozen=True)
@@ -67,6 +58,7 @@ class Diagnosis:
     failures: tuple[ChildFailure, ...]
     environment: Environment
     notes: tuple[str, ...]
+    recovered: RootCause | None = None          # an earlier attempt's failure torchrun restarted from
 
 
 def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
@@ -137,13 +129,22 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         if root is None:
             root = output_stopped(scan, keys, tail, facts, catalog)
             verdict = Verdict.HUNG if root is not None else Verdict.OK
+    recovered = None
+    if verdict is Verdict.FAILED and root is not None:
+        finish = restarted_then_finished(root, findings, failures, {k.attempt for k in keys})
+        if finish is not None:
+            recovered, root, verdict = root, None, Verdict.OK
+            notes.append(f"torchrun restarted the workers after the failure at line {recovered.finding.line} "
+                         f"and the run then finished (line {finish.line}): the job succeeded; that failure is "
+                         f"reported as recovered")
     if scan.unreadable:
         notes.append("the input ended early (damaged or truncated): errors after that point are not in this report")
-    chain = build_chain(root, findings)
+    chain = build_chain(root or recovered, findings)
     notes += _child_failed_notes(failures, root)
     env = collect_environment(scan.probes, scan.banner_lines, [s.name for s in scan.sources])
-    streams = _summaries(stream_stats, findings, root, chain, verdict, failures)
-    return Diagnosis(verdict, root, chain, tuple(findings), streams, tuple(keys), tuple(failures), env, tuple(notes))
+    streams = stream_statuses(stream_stats, findings, root or recovered, chain, verdict, failures)
+    return Diagnosis(verdict, root, chain, tuple(findings), streams, tuple(keys), tuple(failures), env, tuple(notes),
+                     recovered)
 
 
 def _merge_stats(scan: ScanResult, keys: list[StreamKey]) -> dict[StreamKey, SlotStats]:
@@ -269,36 +270,3 @@ def _child_failed_notes(failures: list[ChildFailure], root: RootCause | None) ->
         return [f"torchelastic's summary names rank {entry.rank} ({what}) as the root cause; the evidence "
                 f"points at rank {root.rank}: its summary picks the earliest exit at 1-second resolution"]
     return [f"torchelastic's summary names rank {entry.rank} ({what}) as the root cause"]
-
-
-def _summaries(stats, findings, root, chain, verdict, failures) -> tuple[StreamSummary, ...]:
-    first_error: dict[StreamKey, Finding] = {}
-    for f in findings:
-        if f.is_error and not f.is_teardown:
-            key = f.stream if f.stream.kind is StreamKind.RANK or f.rank is None else StreamKey(StreamKind.RANK, f.rank, f.stream.attempt)
-            first_error.setdefault(key, f)
-    root_ranks = set(root.ranks) if root else set()
-    cascade_ranks = {r for link in chain if link.role is ChainRole.CASCADE for r in link.ranks}
-    exit_by_rank = {f.rank: f.exitcode for f in failures if f.rank is not None}
-    out = []
-    keys = set(stats) | {k for k in first_error if k.kind is StreamKind.RANK}
-    for key in sorted(keys):
-        s = stats.get(key, SlotStats())
-        err = first_error.get(key)
-        status, role = "ok", "none"
-        if key.kind is StreamKind.RANK:
-            code = exit_by_rank.get(key.rank)
-            if key.rank in root_ranks:
-                status, role = ("hung" if verdict is Verdict.HUNG else "failed"), "root"
-            elif err is not None or key.rank in cascade_ranks:
-                status, role = "failed", "cascade"
-            elif is_killed(code):
-                status, role = "killed", "teardown"
-            elif verdict is Verdict.HUNG:
-                status = "hung"
-            elif code not in (None, 0):
-                status = "failed"
-        elif err is not None:
-            status = "failed"
-        out.append(StreamSummary(key, s.lines, err, s.last_step, s.last_step_line, status, role))
-    return tuple(out)

@@ -28,7 +28,8 @@ MAX_SOURCES = 64     # a folder of per-rank files: the tails of its last files
 _JOB_OUTPUT = re.compile(
     r"\d{4}-\d\d-\d\d|\d\d:\d\d:\d\d|\b(?:INFO|WARNING|WARN|DEBUG)\b|"
     r"torch|nccl|gloo|cuda|gpu|rank|distributed|deepspeed|lightning|accelerate|epoch|\bstep\b|"
-    r"\biter|\bloss\b|train|dataset|dataloader|checkpoint|model|extension|\bops?\b",
+    r"\biter|\bloss\b|train|dataset|dataloader|checkpoint|model|extension|\bops?\b|"
+    r"\d%\||\| \d+/\d+ \[",   # a progress bar (tqdm's `96%|...| 61439/64146 [4:33:58<09:36, 4.69it/s]`)
     re.IGNORECASE)
 # ProcessGroupNCCL's note that destroy_process_group ran: the program reached its end
 _SHUTDOWN = re.compile(r"Process Group shutdown on rank \d+")

@@ -7,6 +7,7 @@ from typing import Callable
 
 from logtriage.analysis.diagnose import Diagnosis
 from logtriage.analysis.findings import Finding, exception_type_of
+from logtriage.analysis.roots import RootCause
 from logtriage.demux.streams import StreamKind
 from logtriage.ingest.lines import read_lines
 from logtriage.report.model import (ChainEntry, EvidenceLine, FindingView, RankRow, Report, RootCauseView,
@@ -22,21 +23,8 @@ MAX_BLOCK_EVIDENCE = 30
 def build_report(scan: ScanResult, diag: Diagnosis, redact: Callable[[str], str] = lambda s: s,
                  redaction: dict | None = None) -> Report:
     names = [s.name for s in scan.sources]
-    root = diag.root
-    root_view = None
-    if root is not None:
-        f = root.finding
-        evidence = _evidence(scan, diag, f, redact) if f is not None else ()
-        if f is None and root.rank is not None:
-            evidence = _progress_evidence(scan, diag, root.ranks, redact)
-        root_view = RootCauseView(
-            rule_id=root.rule.id, category=root.rule.category.value, title=root.rule.title, rank=root.rank,
-            ranks=root.ranks, line=f.line if f else None, source=names[f.source] if f else None,
-            text=redact(f.text) if f else "", exception_type=_exception_type(scan, diag, f) if f else None,
-            confidence=root.confidence, layer=root.rule.layer.value if root.rule.layer else None,
-            explanation=root.rule.explanation, fix=root.rule.fix, misdiagnosis=root.rule.misdiagnosis,
-            reasons=tuple(redact(r) for r in root.reasons), evidence=evidence,
-            stream=f.stream.label() if f else None)
+    root_view = _root_view(scan, diag, diag.root, names, redact)
+    recovered_view = _root_view(scan, diag, diag.recovered, names, redact)
     chain = tuple(ChainEntry(link.rule.id, link.rule.category.value, link.rule.title, link.role.value, link.ranks,
                              link.first.line, names[link.first.source], redact(link.first.text), link.count)
                   for link in diag.chain)
@@ -51,7 +39,7 @@ def build_report(scan: ScanResult, diag: Diagnosis, redact: Callable[[str], str]
                     for s in diag.streams if s.lines)
     unattributed = sum(s.lines for s in diag.streams if s.key.kind is StreamKind.UNATTRIBUTED)
     return Report(
-        verdict=diag.verdict.value, root_cause=root_view, chain=chain, ranks=ranks,
+        verdict=diag.verdict.value, root_cause=root_view, recovered=recovered_view, chain=chain, ranks=ranks,
         findings=_findings(diag.findings, names, redact), environment=diag.environment.to_dict(),
         input_lines=scan.input_lines, unattributed_lines=unattributed, streams=streams,
         sources=tuple(names), notes=diag.notes + tuple(diag.environment.problems),
@@ -59,6 +47,24 @@ def build_report(scan: ScanResult, diag: Diagnosis, redact: Callable[[str], str]
 
 
 NEARBY_LINES = 200
+
+
+def _root_view(scan: ScanResult, diag: Diagnosis, root: RootCause | None, names: list[str],
+               redact: Callable[[str], str]) -> RootCauseView | None:
+    if root is None:
+        return None
+    f = root.finding
+    evidence = _evidence(scan, diag, f, redact) if f is not None else ()
+    if f is None and root.rank is not None:
+        evidence = _progress_evidence(scan, diag, root.ranks, redact)
+    return RootCauseView(
+        rule_id=root.rule.id, category=root.rule.category.value, title=root.rule.title, rank=root.rank,
+        ranks=root.ranks, line=f.line if f else None, source=names[f.source] if f else None,
+        text=redact(f.text) if f else "", exception_type=_exception_type(scan, diag, f) if f else None,
+        confidence=root.confidence, layer=root.rule.layer.value if root.rule.layer else None,
+        explanation=root.rule.explanation, fix=root.rule.fix, misdiagnosis=root.rule.misdiagnosis,
+        reasons=tuple(redact(r) for r in root.reasons), evidence=evidence,
+        stream=f.stream.label() if f else None)
 
 
 def _exception_type(scan: ScanResult, diag: Diagnosis, finding: Finding) -> str | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from logtriage.report.model import Report
+from logtriage.report.model import Report, RootCauseView
 from logtriage.report.safe import markdown_code_block, markdown_code_span as code, markdown_inline as md
 from logtriage.rank_ranges import ranges
 from logtriage.report.text import who_of
@@ -11,24 +11,19 @@ from logtriage.report.text import who_of
 def render_markdown(report: Report) -> str:
     rc = report.root_cause
     out: list[str] = []
-    if rc is None:
+    back = report.recovered
+    if rc is None and back is not None:
+        who = who_of(back.rank, back.ranks, back.stream, back.layer)
+        out += [f"## triage: {report.verdict} — recovered after a restart", "",
+                f"The run finished after torchrun restarted its workers. The failure it recovered from: "
+                f"{md(who)}: {md(back.title)}.", ""]
+        out += _root_table(back, who)
+    elif rc is None:
         out += [f"## triage: {report.verdict}", "", f"No failure found in {report.input_lines} lines."]
     else:
         who = who_of(rc.rank, rc.ranks, rc.stream, rc.layer)
         out += [f"## triage: {report.verdict} — {md(who)}: {md(rc.title)}", ""]
-        out += ["| | |", "|---|---|",
-                f"| rule | {code(rc.rule_id)} |", f"| category | {md(rc.category)} |",
-                f"| rank(s) | {md(who)} |"]
-        if rc.exception_type:
-            out.append(f"| exception | {md(rc.exception_type)} |")
-        if rc.line is not None:
-            out.append(f"| where | {md(str(rc.source))}:{rc.line} |")
-        out.append(f"| confidence | {rc.confidence:.2f} |")
-        if rc.reasons:
-            out += [""] + [f"- {md(r)}" for r in rc.reasons]
-        if rc.evidence:
-            out += ["", "### Evidence", "",
-                    markdown_code_block([f"{'>' if e.is_match else ' '} {e.line:>7} | {e.text}" for e in rc.evidence])]
+        out += _root_table(rc, who)
     if report.chain:
         out += ["", "### Causal chain", "", "| # | role | ranks | rule | line | text |", "|---|---|---|---|---|---|"]
         for i, c in enumerate(report.chain, 1):
@@ -54,3 +49,19 @@ def render_markdown(report: Report) -> str:
     out += ["", f"_{report.input_lines} lines from {len(report.sources)} source(s); "
                 f"{report.unattributed_lines} unattributed._"]
     return "\n".join(out) + "\n"
+
+
+def _root_table(rc: RootCauseView, who: str) -> list[str]:
+    out = ["| | |", "|---|---|", f"| rule | {code(rc.rule_id)} |", f"| category | {md(rc.category)} |",
+           f"| rank(s) | {md(who)} |"]
+    if rc.exception_type:
+        out.append(f"| exception | {md(rc.exception_type)} |")
+    if rc.line is not None:
+        out.append(f"| where | {md(str(rc.source))}:{rc.line} |")
+    out.append(f"| confidence | {rc.confidence:.2f} |")
+    if rc.reasons:
+        out += [""] + [f"- {md(r)}" for r in rc.reasons]
+    if rc.evidence:
+        out += ["", "### Evidence", "",
+                markdown_code_block([f"{'>' if e.is_match else ' '} {e.line:>7} | {e.text}" for e in rc.evidence])]
+    return out

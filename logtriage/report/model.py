@@ -103,21 +103,14 @@ class Report:
     notes: tuple[str, ...] = ()
     problems: tuple[str, ...] = ()
     redaction: Mapping[str, Any] = field(default_factory=dict)
+    recovered: RootCauseView | None = None    # an earlier attempt's failure torchrun restarted from
 
     def to_dict(self) -> dict[str, Any]:
         rc = self.root_cause
         return {
             "schema_version": SCHEMA_VERSION,
             "verdict": self.verdict,
-            "root_cause": None if rc is None else {
-                "rule_id": rc.rule_id, "category": rc.category, "title": rc.title, "rank": rc.rank,
-                "ranks": list(rc.ranks), "line": rc.line, "source": rc.source, "text": rc.text,
-                "exception_type": rc.exception_type, "confidence": round(rc.confidence, 2),
-                "layer": rc.layer, "stream": rc.stream, "reasons": list(rc.reasons),
-                "explanation": rc.explanation, "fix": rc.fix, "misdiagnosis": rc.misdiagnosis,
-                "evidence": [{"source": e.source, "line": e.line, "text": e.text, "match": e.is_match}
-                             for e in rc.evidence],
-            },
+            "root_cause": _root_dict(rc),
             "chain": [{"rule_id": c.rule_id, "category": c.category, "title": c.title, "role": c.role,
                        "ranks": list(c.ranks), "line": c.line, "source": c.source, "text": c.text,
                        "count": c.count} for c in self.chain],
@@ -137,4 +130,17 @@ class Report:
             "notes": list(self.notes),
             "problems": list(self.problems),
             "redaction": dict(self.redaction),
+            "recovered": _root_dict(self.recovered),
         }
+
+
+def _root_dict(rc: RootCauseView | None) -> dict[str, Any] | None:
+    return None if rc is None else {
+        "rule_id": rc.rule_id, "category": rc.category, "title": rc.title, "rank": rc.rank,
+        "ranks": list(rc.ranks), "line": rc.line, "source": rc.source, "text": rc.text,
+        "exception_type": rc.exception_type, "confidence": round(rc.confidence, 2),
+        "layer": rc.layer, "stream": rc.stream, "reasons": list(rc.reasons),
+        "explanation": rc.explanation, "fix": rc.fix, "misdiagnosis": rc.misdiagnosis,
+        "evidence": [{"source": e.source, "line": e.line, "text": e.text, "match": e.is_match}
+                     for e in rc.evidence],
+    }

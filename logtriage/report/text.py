@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import textwrap
 
-from logtriage.report.model import RankRow, Report
+from logtriage.report.model import RankRow, Report, RootCauseView
 from logtriage.report.safe import terminal_safe, terminal_safe_document
 from logtriage.rank_ranges import ranges
 
@@ -42,29 +42,22 @@ def render_text(report: Report, color: bool = False) -> str:
     out: list[str] = []
     rc = report.root_cause
     verdict = report.verdict.upper()
-    if rc is None:
+    back = report.recovered
+    if rc is None and back is not None:
+        out.append(s.green(f"triage: {verdict}") + terminal_safe(
+            f" — the run finished after torchrun restarted its workers; it recovered from "
+            f"{who_of(back.rank, back.ranks, back.stream, back.layer)}: {_what(back)}"))
+        out += ["", s.bold("Recovered failure") + "  " + " · ".join(_facts(back))]
+        out += _where_and_why(back, s)
+    elif rc is None:
         out.append(s.green(f"triage: {verdict}") + " — no failure found in "
                    f"{report.input_lines} lines ({len(report.ranks)} ranks)")
     else:
-        what = _short(rc.text, 90) if rc.rule_id == "python.exception" and rc.text else rc.title
-        head = f"triage: {verdict} — {who_of(rc.rank, rc.ranks, rc.stream, rc.layer)}: {what}"
+        head = f"triage: {verdict} — {who_of(rc.rank, rc.ranks, rc.stream, rc.layer)}: {_what(rc)}"
         out.append((s.red if report.verdict == "failed" else s.yellow)(terminal_safe(head)))
         out.append("")
-        facts = [f"rule {rc.rule_id}", f"category {rc.category}"]
-        if rc.exception_type:
-            facts.append(f"exception {rc.exception_type}")
-        facts.append(f"confidence {rc.confidence:.2f}")
-        out.append(s.bold("Root cause") + "  " + " · ".join(facts))
-        if rc.line is not None:
-            out.append(f"  at {rc.source}:{rc.line}" + (f" ({rc.stream})" if rc.stream else ""))
-        for reason in rc.reasons:
-            out += _wrapped(reason, "  why: ")
-        if rc.evidence:
-            out.append("")
-            for ev in rc.evidence:
-                marker = ">" if ev.is_match else " "
-                line = f"  {marker} {ev.line:>7} │ {terminal_safe(ev.text)}"
-                out.append(s.bold(line) if ev.is_match else line)
+        out.append(s.bold("Root cause") + "  " + " · ".join(_facts(rc)))
+        out += _where_and_why(rc, s)
     if report.chain:
         out += ["", s.bold("Causal chain")]
         for i, link in enumerate(report.chain, 1):
@@ -91,6 +84,33 @@ def render_text(report: Report, color: bool = False) -> str:
     out += ["", s.dim(f"{report.input_lines} lines read from {len(report.sources)} source(s); "
                       f"{report.unattributed_lines} not attributable to a rank or the launcher")]
     return terminal_safe_document("\n".join(out), keep_colour=color) + "\n"
+
+
+def _what(rc: RootCauseView) -> str:
+    return _short(rc.text, 90) if rc.rule_id == "python.exception" and rc.text else rc.title
+
+
+def _facts(rc: RootCauseView) -> list[str]:
+    facts = [f"rule {rc.rule_id}", f"category {rc.category}"]
+    if rc.exception_type:
+        facts.append(f"exception {rc.exception_type}")
+    facts.append(f"confidence {rc.confidence:.2f}")
+    return facts
+
+
+def _where_and_why(rc: RootCauseView, s: Style) -> list[str]:
+    out = []
+    if rc.line is not None:
+        out.append(f"  at {rc.source}:{rc.line}" + (f" ({rc.stream})" if rc.stream else ""))
+    for reason in rc.reasons:
+        out += _wrapped(reason, "  why: ")
+    if rc.evidence:
+        out.append("")
+        for ev in rc.evidence:
+            marker = ">" if ev.is_match else " "
+            line = f"  {marker} {ev.line:>7} │ {terminal_safe(ev.text)}"
+            out.append(s.bold(line) if ev.is_match else line)
+    return out
 
 
 def who_of(rank: int | None, ranks: tuple[int, ...], stream: str | None = "launcher", layer: str | None = None) -> str:

@@ -1,0 +1,40 @@
+"""A failure torchrun restarted the workers from (`--max-restarts`), after which the run finished:
+the job succeeded, and the failure of the earlier attempt is reported as recovered, not as the
+job's root cause."""
+
+from __future__ import annotations
+
+import re
+
+from logtriage.analysis.childfailed import ChildFailure
+from logtriage.analysis.findings import Finding
+from logtriage.analysis.roots import RootCause
+from logtriage.analysis.stopped import FINISHED_RULE
+from logtriage.demux.streams import StreamKind
+
+# the agent's report of a failed worker: without a restart it is followed by ChildFailedError
+_AGENT_SAW_FAIL = re.compile(r"failed \(exitcode: -?\d+\) local_rank: \d+|Worker group FAILED\. \d+/\d+ attempts left")
+# lines the run-finished rule reads that a failing process prints too (its process group's
+# destructor, NCCL tearing a communicator down)
+_NOT_AN_END = re.compile(r"destroy|Destroy COMPLETE|has NOT been destroyed", re.IGNORECASE)
+
+
+def restarted_then_finished(root: RootCause, findings: list[Finding], failures: list[ChildFailure],
+                            attempts: set[int]) -> Finding | None:
+    """The line saying the run finished, when the root's failure made torchrun restart the workers
+    (a later attempt's output, or the agent's `failed (exitcode: ...)` line with no ChildFailedError
+    after it) and no error came after that line; else None."""
+    if root.finding is None or failures:
+        return None
+    after = root.finding.seq
+    finish = next((f for f in findings if f.rule.id == FINISHED_RULE and f.seq > after
+                   and not _NOT_AN_END.search(f.text)), None)
+    if finish is None:
+        return None
+    if any(f.rule.id == "launcher.child_failed" for f in findings):
+        return None
+    restarted = max(attempts, default=0) > root.finding.stream.attempt or any(
+        f.stream.kind is StreamKind.LAUNCHER and after < f.seq < finish.seq and _AGENT_SAW_FAIL.search(f.text)
+        for f in findings)
+    later_error = any(f.seq > finish.seq and f.is_error and not f.is_teardown for f in findings)
+    return finish if restarted and not later_error else None

@@ -1,0 +1,67 @@
+"""Per-stream status for the report's rank table: ok, failed, hung or killed, and the stream's role
+(root, cascade, teardown) in the diagnosis, attempt by attempt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from logtriage.analysis.childfailed import ChildFailure, is_killed
+from logtriage.analysis.findings import Finding
+from logtriage.analysis.roots import ChainLink, ChainRole, RootCause, Verdict
+from logtriage.demux.streams import StreamKey, StreamKind
+from logtriage.scan import SlotStats
+
+
+@dataclass(frozen=True)
+class StreamSummary:
+    key: StreamKey
+    lines: int
+    first_error: Finding | None
+    last_step: int | None
+    last_step_line: tuple[int, int] | None
+    status: str                      # ok | failed | hung | killed | unknown
+    role: str                        # root | cascade | teardown | none
+
+
+
+def stream_statuses(stats: dict[StreamKey, SlotStats], findings: list[Finding], root: RootCause | None,
+                    chain: tuple[ChainLink, ...], verdict: Verdict, failures: list[ChildFailure]) -> tuple[StreamSummary, ...]:
+    """Each stream's status and role: the root's ranks (in the root's attempt), the chain's cascade
+    ranks, ranks with an error of their own, workers the launcher killed."""
+    first_error: dict[StreamKey, Finding] = {}
+    for f in findings:
+        if f.is_error and not f.is_teardown:
+            key = f.stream if f.stream.kind is StreamKind.RANK or f.rank is None else StreamKey(StreamKind.RANK, f.rank, f.stream.attempt)
+            first_error.setdefault(key, f)
+    # (rank, attempt) pairs; attempt None: every attempt (a launcher's line names no attempt)
+    root_attempt = root.finding.stream.attempt if root and root.finding and root.finding.stream.kind is StreamKind.RANK else None
+    root_ranks = {(r, root_attempt) for r in root.ranks} if root else set()
+    cascade_ranks = {(r, link.first.stream.attempt if link.first.stream.kind is StreamKind.RANK else None)
+                     for link in chain if link.role is ChainRole.CASCADE for r in link.ranks}
+    exit_by_rank = {f.rank: f.exitcode for f in failures if f.rank is not None}
+    out = []
+    keys = set(stats) | {k for k in first_error if k.kind is StreamKind.RANK}
+    for key in sorted(keys):
+        s = stats.get(key, SlotStats())
+        err = first_error.get(key)
+        status, role = "ok", "none"
+        if key.kind is StreamKind.RANK:
+            code = exit_by_rank.get(key.rank)
+            if _in_attempt(key, root_ranks):
+                status, role = ("hung" if verdict is Verdict.HUNG else "failed"), "root"
+            elif err is not None or _in_attempt(key, cascade_ranks):
+                status, role = "failed", "cascade"
+            elif is_killed(code):
+                status, role = "killed", "teardown"
+            elif verdict is Verdict.HUNG:
+                status = "hung"
+            elif code not in (None, 0):
+                status = "failed"
+        elif err is not None:
+            status = "failed"
+        out.append(StreamSummary(key, s.lines, err, s.last_step, s.last_step_line, status, role))
+    return tuple(out)
+
+
+def _in_attempt(key: StreamKey, pairs: set[tuple[int, int | None]]) -> bool:
+    return (key.rank, key.attempt) in pairs or (key.rank, None) in pairs
