@@ -835,3 +835,21 @@ def test_a_failure_torchrun_restarted_from_is_recovered_when_the_run_then_finish
     # no restart: a rank that finished its loop does not undo another rank's failure
     report = _report(log, attempt0.replace(agent + "failed", "failed?") + "[rank 0] training finished\n")
     assert report["verdict"] == "failed"
+
+
+def test_an_exception_python_ignored_at_exit_is_not_the_failure(tmp_path):
+    # gaps round 14, row 38: CPython prints `Exception ignored in: <function ...__del__>` and the
+    # traceback of a DataLoader iterator collected at exit, and the process goes on
+    log = tmp_path / "ignored.log"
+    ignored = ("Exception ignored in: <function _MultiProcessingDataLoaderIter.__del__ at 0x7f3c2a1b1e50>\n"
+               "Traceback (most recent call last):\n"
+               '  File "/venv/torch/utils/data/dataloader.py", line 1477, in __del__\n    self._shutdown_workers()\n'
+               '  File "/usr/lib/python3.11/multiprocessing/process.py", line 160, in is_alive\n'
+               "    assert self._parent_pid == os.getpid(), 'can only test a child process'\n"
+               "AssertionError: can only test a child process\n")
+    report = _report(log, "[rank 0] step 10 loss 0.5\n[rank 0] training finished\n" + ignored)
+    assert (report["verdict"], report["root_cause"]) == ("ok", None)
+    oom = ("[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total "
+           "capacity of 79.15 GiB of which 1.20 GiB is free.\n")
+    rc = _report(log, oom + ignored)["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["line"]) == ("cuda.oom", 1, 1)

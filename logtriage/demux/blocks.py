@@ -21,9 +21,13 @@ class BlockKind(str, Enum):
     NATIVE = "native"          # terminate called ... / what():
     WARNING = "warning"        # path:N: XWarning: msg + indented source line
     MPI_NOTICE = "mpi_notice"  # Open MPI's "noticed that process rank N ... exited on" + "signal 9 (Killed)."
+    IGNORED = "ignored"        # "Exception ignored in: <function X.__del__ ...>" + the traceback CPython goes on after
 
 
 TRACEBACK_START = re.compile(r"^Traceback \(most recent call last\):\s*$")
+# CPython's header for an exception it prints and ignores (a finalizer, an atexit hook, a thread
+# at shutdown): the traceback under it did not end the process
+IGNORED_START = re.compile(r"^Exception ignored (?:in|on)\b")
 # a chained traceback's link: what follows is the next exception of the chain
 CHAIN = re.compile(r"^(?:During handling of the above exception, another exception occurred:"
                    r"|The above exception was the direct cause of the following exception:)\s*$")
@@ -55,6 +59,11 @@ def continues(kind: BlockKind, text: str, state: dict) -> bool:
         return _continues_traceback(text, state)
     if kind is BlockKind.CHILD_FAILED:
         return _continues_child_failed(text, state)
+    if kind is BlockKind.IGNORED:
+        if not state.get("traceback"):
+            state["traceback"] = bool(TRACEBACK_START.match(text))
+            return state["traceback"]
+        return _continues_traceback(text, state)
     if not text:
         if kind is BlockKind.CPP:
             state["ended"] = True
