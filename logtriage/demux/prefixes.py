@@ -48,6 +48,7 @@ _QUOTE = re.compile(r"^> ?")
 _WRAPPER_TAG = re.compile(r"^\[([A-Za-z][A-Za-z_ .-]{1,30})\] ")
 _NOT_TAGS = frozenset("info warn warning error err debug critical fatal trace notice stdout stderr".split())
 _PYTEST_E = re.compile(r"^E {3}(?: {4})?")
+_PYTEST_EXCEPTION = re.compile(r"^E {3}(?: {4})?(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): ")
 # Open MPI's `[job,rank]<stderr>:`; horovodrun's own (gloo) launcher writes `[rank]<stderr>:`
 _MPI = re.compile(r"^\[(?:(\d{1,9}),)?(\d{1,12})\]<(?:stdout|stderr|stddiag)>: ?")
 _HOST = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62}): ")
@@ -120,7 +121,9 @@ class Dialect:
         wrapper_tag = _wrapper_tag(lines)
         if wrapper_tag:
             lines = [line.removeprefix(f"[{wrapper_tag}] ") for line in lines]
-        pytest = sum(1 for line in lines if _PYTEST_E.match(line)) >= 2
+        pytest_lines = [line for line in lines if _PYTEST_E.match(line)]
+        # two report lines, or one that holds an exception (`E       RuntimeError: ...`)
+        pytest = len(pytest_lines) >= 2 or any(_PYTEST_EXCEPTION.match(line) for line in pytest_lines)
         srun_hits = sum(1 for line in lines if _SRUN.match(line))
         hosts = Counter()
         for line in lines:
