@@ -853,3 +853,22 @@ def test_an_exception_python_ignored_at_exit_is_not_the_failure(tmp_path):
            "capacity of 79.15 GiB of which 1.20 GiB is free.\n")
     rc = _report(log, oom + ignored)["root_cause"]
     assert (rc["rule_id"], rc["rank"], rc["line"]) == ("cuda.oom", 1, 1)
+
+
+def test_one_pytest_report_line_with_an_exception_is_read(tmp_path):
+    # NVIDIA/Megatron-LM's CI (sample_logs/public74/megatronlm5025_*): pytest's `E` marker on the
+    # one line that holds the exception
+    log = tmp_path / "pytest.log"
+    rc = _report(log, "tests/unit_tests/transformer/moe/test_aux_loss.py::TestRouterAuxLoss::test_fusion FAILED\n\n"
+                      "E       RuntimeError: /te/common/fused_router/fused_moe_aux_loss.cu:90 in function "
+                      "fused_moe_aux_loss_forward_kernel_launcher: Assertion failed: num_experts == num_cols.\n")["root_cause"]
+    assert (rc["rule_id"], rc["exception_type"], rc["line"]) == ("python.exception", "RuntimeError", 3)
+
+
+def test_a_worker_the_older_test_harness_names_owns_the_unprefixed_error(tmp_path):
+    # pytorch/pytorch#40266 (sample_logs/public74/pytorch40266_*): MultiProcessTestCase names the
+    # process (its rank) that exited first
+    log = tmp_path / "harness.log"
+    rc = _report(log, "RuntimeError: CUDA error: out of memory\nexiting process with exit code: 10\n"
+                      "Process 2 terminated with exit code 10, terminating remaining processes.\n")["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["line"]) == ("cuda.oom", 2, 1)
