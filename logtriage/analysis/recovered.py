@@ -15,8 +15,9 @@ from logtriage.demux.streams import StreamKind
 # the agent's report of a failed worker: without a restart it is followed by ChildFailedError
 _AGENT_SAW_FAIL = re.compile(r"failed \(exitcode: -?\d+\) local_rank: \d+|Worker group FAILED\. \d+/\d+ attempts left")
 # lines the run-finished rule reads that a failing process prints too (its process group's
-# destructor, NCCL tearing a communicator down)
-_NOT_AN_END = re.compile(r"destroy|Destroy COMPLETE|has NOT been destroyed", re.IGNORECASE)
+# destructor "has NOT been destroyed", "destroy_process_group() was not called", NCCL's
+# "Destroy COMPLETE" as a communicator is torn down)
+_NOT_AN_END = re.compile(r"destroy", re.IGNORECASE)
 
 
 def restarted_then_finished(root: RootCause, findings: list[Finding], failures: list[ChildFailure],
