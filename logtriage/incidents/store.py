@@ -142,7 +142,9 @@ class IncidentStore:
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA foreign_keys = ON")
         conn.execute("PRAGMA synchronous = FULL")
-        version = schema.check_owner(conn, self.path)
+        # one read transaction: owner, version and tables from the same snapshot (another process
+        # may be creating the schema between three autocommit reads)
+        version = self._transaction(lambda c: schema.check_owner(c, self.path), "DEFERRED")
         mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
         if mode.lower() != "wal":
             conn.execute("PRAGMA journal_mode = WAL")
