@@ -872,3 +872,25 @@ def test_a_worker_the_older_test_harness_names_owns_the_unprefixed_error(tmp_pat
     rc = _report(log, "RuntimeError: CUDA error: out of memory\nexiting process with exit code: 10\n"
                       "Process 2 terminated with exit code 10, terminating remaining processes.\n")["root_cause"]
     assert (rc["rule_id"], rc["rank"], rc["line"]) == ("cuda.oom", 2, 1)
+
+
+def test_the_test_harness_header_names_the_rank_of_the_traceback_under_it(tmp_path):
+    # intel/torch-xpu-ops#3376 (sample_logs/public76/torchxpuops3376_*): MultiProcessTestCase's
+    # `Process 1 exited with error code 10 and exception:`, then the child's own traceback
+    log = tmp_path / "harness.log"
+    rc = _report(log, "Process 1 exited with error code 10 and exception:\nTraceback (most recent call last):\n"
+                      '  File "/ws/test/distributed/test_c10d_xccl.py", line 5390, in _verify_trace\n'
+                      "    torch_comm_lib_version = torch.xpu.xccl.version()\n"
+                      "AttributeError: module 'torch.xpu' has no attribute 'xccl'\n")["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["exception_type"]) == ("python.exception", 1, "AttributeError")
+
+
+def test_slurmstepd_under_srun_label_is_not_the_labelled_tasks_line(tmp_path):
+    # a Perlmutter run's notes (sample_logs/public75/perlmutter_*): srun -l puts the step daemon's
+    # OOM-kill notice under task 0's label; srun's own line names task 2
+    log = tmp_path / "srun.log"
+    rc = _report(log, "0: iteration 1 | loss 11.2\n"
+                      "0: slurmstepd: error: Detected 1 oom_kill event in StepId=17109804.0. Some of the step tasks "
+                      "have been OOM Killed.\nsrun: error: node: task 2: Out Of Memory\n"
+                      "srun: Terminating StepId=17109804.0\n")["root_cause"]
+    assert (rc["category"], rc["rank"]) == ("host_oom", 2)

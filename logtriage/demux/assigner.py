@@ -121,6 +121,8 @@ class Assigner:
         if p.host:
             self._note_host_rank(p)
         rank = p.rank if p.rank is not None else p.local_rank
+        if rank is not None and text.startswith("slurmstepd"):
+            rank = None   # the node's step daemon, on whichever task's stream srun --label put it
         if rank is None and self.rank_hint is not None:
             rank = self.rank_hint
         explicit_slot = self._rank_slot(rank, p.host or "") if rank is not None else None
@@ -199,7 +201,7 @@ class Assigner:
         if L.is_shell_or_scheduler(text):
             self.facts.observe(text)
             return self._part(launcher, text)
-        m = L.SPAWN_CHILD.match(text)
+        m = L.SPAWN_CHILD.match(text) or L.HARNESS_CHILD.match(text)
         if m:
             self.spawn_rank = int(m.group(1))
             return self._part(launcher, text)
