@@ -23,21 +23,20 @@ class StreamSummary:
     role: str                        # root | cascade | teardown | none
 
 
-
 def stream_statuses(stats: dict[StreamKey, SlotStats], findings: list[Finding], root: RootCause | None,
-                    chain: tuple[ChainLink, ...], verdict: Verdict, failures: list[ChildFailure]) -> tuple[StreamSummary, ...]:
+                    chain: tuple[ChainLink, ...], verdict: Verdict,
+                    failures: list[ChildFailure]) -> tuple[StreamSummary, ...]:
     """Each stream's status and role: the root's ranks (in the root's attempt), the chain's cascade
     ranks, ranks with an error of their own, workers the launcher killed."""
     first_error: dict[StreamKey, Finding] = {}
     for f in findings:
         if f.is_error and not f.is_teardown:
-            key = f.stream if f.stream.kind is StreamKind.RANK or f.rank is None else StreamKey(StreamKind.RANK, f.rank, f.stream.attempt)
+            own = f.stream.kind is StreamKind.RANK or f.rank is None
+            key = f.stream if own else StreamKey(StreamKind.RANK, f.rank, f.stream.attempt)
             first_error.setdefault(key, f)
     # (rank, attempt) pairs; attempt None: every attempt (a launcher's line names no attempt)
-    root_attempt = root.finding.stream.attempt if root and root.finding and root.finding.stream.kind is StreamKind.RANK else None
-    root_ranks = {(r, root_attempt) for r in root.ranks} if root else set()
-    cascade_ranks = {(r, link.first.stream.attempt if link.first.stream.kind is StreamKind.RANK else None)
-                     for link in chain if link.role is ChainRole.CASCADE for r in link.ranks}
+    root_ranks = {(r, _attempt(root.finding)) for r in root.ranks} if root else set()
+    cascade_ranks = {(r, _attempt(link.first)) for link in chain if link.role is ChainRole.CASCADE for r in link.ranks}
     exit_by_rank = {f.rank: f.exitcode for f in failures if f.rank is not None}
     out = []
     keys = set(stats) | {k for k in first_error if k.kind is StreamKind.RANK}
@@ -61,6 +60,11 @@ def stream_statuses(stats: dict[StreamKey, SlotStats], findings: list[Finding], 
             status = "failed"
         out.append(StreamSummary(key, s.lines, err, s.last_step, s.last_step_line, status, role))
     return tuple(out)
+
+
+def _attempt(finding: Finding | None) -> int | None:
+    """The attempt a rank's own line belongs to; None for a launcher's or an unattributed line."""
+    return finding.stream.attempt if finding is not None and finding.stream.kind is StreamKind.RANK else None
 
 
 def _in_attempt(key: StreamKey, pairs: set[tuple[int, int | None]]) -> bool:
