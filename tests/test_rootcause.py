@@ -833,7 +833,7 @@ def test_a_failure_torchrun_restarted_from_is_recovered_when_the_run_then_finish
     report = _report(log, attempt0 + "[rank 1] attempt 1 step 0 loss 8.0\n" + summary)
     assert (report["verdict"], report["root_cause"]["rank"], report["recovered"]) == ("failed", 1, None)
     # no restart: a rank that finished its loop does not undo another rank's failure
-    report = _report(log, attempt0.replace(agent + "failed", "failed?") + "[rank 0] training finished\n")
+    report = _report(log, attempt0.split(agent)[0] + "[rank 0] training finished\n")
     assert report["verdict"] == "failed"
 
 

@@ -5,10 +5,9 @@ the only rank whose own lines are in an excerpt."""
 
 from __future__ import annotations
 
-import re
-
 from logtriage.analysis.childfailed import is_own_failure
 from logtriage.analysis.findings import Finding, short_type
+from logtriage.analysis.nccl_ranks import NCCL_PREFIX
 from logtriage.analysis.roots import RankFacts, earliest
 from logtriage.catalog.rule import Category, Layer, Role
 from logtriage.scan import STEP
@@ -118,17 +117,13 @@ def mismatch_odd_one_out(live: list[Finding]) -> int | None:
     return odd[0] if len(odd) == 1 and list(counts.values()).count(majority) == 1 else None
 
 
-# NCCL's own process label on its INFO/WARN lines: `node-b:4827:6900 [4] `
-_NCCL_PROCESS = re.compile(r"^\S+:\d+:\d+ \[\d+\] ")
-
-
 def lone_speaker(first: Finding, live: list[Finding], facts: RankFacts) -> int | None:
     """An excerpt where one rank's own lines are all there is (a kernel's assert printed without
     a prefix, then rank 104's traceback cut before its exception): the unattributed error is that
     rank's, unless it reports a consequence of another rank's failure (then it is a victim)."""
     if len(facts.speaking) != 1 or first.rule.layer in (Layer.LAUNCHER, Layer.CONTAINER):
         return None   # a launcher's or scheduler's line is about a node or the job, not a rank
-    if first.text.startswith("[") or _NCCL_PROCESS.match(first.text):
+    if first.text.startswith("[") or NCCL_PREFIX.match(first.text):
         return None   # a label of its own the tool could not read, or NCCL's host:pid:tid: another process
     rank = next(iter(facts.speaking))
     victim = any(f.rank == rank and f.role is Role.CASCADE_CANDIDATE for f in live)

@@ -10,10 +10,9 @@ from logtriage.analysis.childfailed import ChildFailure
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.roots import RootCause
 from logtriage.analysis.stopped import FINISHED_RULE
+from logtriage.demux import launcher as L
 from logtriage.demux.streams import StreamKind
 
-# the agent's report of a failed worker: without a restart it is followed by ChildFailedError
-_AGENT_SAW_FAIL = re.compile(r"failed \(exitcode: -?\d+\) local_rank: \d+|Worker group FAILED\. \d+/\d+ attempts left")
 # lines the run-finished rule reads that a failing process prints too (its process group's
 # destructor "has NOT been destroyed", "destroy_process_group() was not called", NCCL's
 # "Destroy COMPLETE" as a communicator is torn down)
@@ -35,7 +34,13 @@ def restarted_then_finished(root: RootCause, findings: list[Finding], failures: 
     if any(f.rule.id == "launcher.child_failed" for f in findings):
         return None
     restarted = max(attempts, default=0) > root.finding.stream.attempt or any(
-        f.stream.kind is StreamKind.LAUNCHER and after < f.seq < finish.seq and _AGENT_SAW_FAIL.search(f.text)
+        f.stream.kind is StreamKind.LAUNCHER and after < f.seq < finish.seq and _agent_saw_fail(f.text)
         for f in findings)
     later_error = any(f.seq > finish.seq and f.is_error and not f.is_teardown for f in findings)
     return finish if restarted and not later_error else None
+
+
+def _agent_saw_fail(text: str) -> bool:
+    """The agent's report of a failed worker (`failed (exitcode: 1) local_rank: 1 (pid: ...)`), or
+    of its restart; without a restart the first is followed by ChildFailedError."""
+    return bool(L.FAILED.search(text) or L.RESTART.search(text))

@@ -201,7 +201,7 @@ class Assigner:
         if L.is_shell_or_scheduler(text):
             self.facts.observe(text)
             return self._part(launcher, text)
-        m = L.SPAWN_CHILD.match(text) or L.HARNESS_CHILD.match(text)
+        m = L.SPAWN_CHILD.match(text) or (L.HARNESS_CHILD.match(text) if "exited with error code" in text else None)
         if m:
             self.spawn_rank = int(m.group(1))
             return self._part(launcher, text)
