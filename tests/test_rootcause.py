@@ -894,3 +894,24 @@ def test_slurmstepd_under_srun_label_is_not_the_labelled_tasks_line(tmp_path):
                       "have been OOM Killed.\nsrun: error: node: task 2: Out Of Memory\n"
                       "srun: Terminating StepId=17109804.0\n")["root_cause"]
     assert (rc["category"], rc["rank"]) == ("host_oom", 2)
+
+
+def test_c10d_resolution_warning_is_no_failure_unless_the_output_stops_on_it(tmp_path):
+    # c10d's socket.cpp warning as printed by torch 2.x (sample_logs/public24/grendelgs9_*,
+    # public17/torchx540_*): it retries, so alone in a run that goes on it is no failure; a run
+    # that stops on it hangs there; a later error stays the root
+    log = tmp_path / "gai.log"
+    warning = ("[W1130 01:05:55.120000000 socket.cpp:753] [c10d] The IPv6 network addresses of (node-01, 29500) "
+               "cannot be retrieved (gai error: -2 - Name or service not known).\n")
+    finished = _report(log, warning + "[rank0]: step 1 loss 0.3\n[rank0]: step 2 loss 0.2\ntraining finished\n")
+    assert (finished["verdict"], finished["root_cause"]) == ("ok", None)
+    stuck = _report(log, "[rank0]: world_size=2\n" + warning)
+    assert (stuck["verdict"], stuck["root_cause"]["rule_id"], stuck["root_cause"]["line"]) == (
+        "hung", "dist.name_resolution", 2)
+    later = _report(log, warning + "[rank1]: Traceback (most recent call last):\n"
+                         '[rank1]:   File "/ws/train.py", line 9, in <module>\n[rank1]:     batch["target"]\n'
+                         "[rank1]: KeyError: 'target'\n")["root_cause"]
+    assert (later["category"], later["rank"], later["exception_type"]) == ("python_exception", 1, "KeyError")
+    # the same text at ERROR level, or printed by Python, fails the run
+    error = _report(log, "socket.gaierror: [Errno -2] Name or service not known\n")["root_cause"]
+    assert error["rule_id"] == "dist.name_resolution"

@@ -38,7 +38,7 @@ from logtriage.analysis.refine import (
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
-from logtriage.analysis.stopped import FINISHED_RULE, log_tail, message_of, output_stopped, unknown_error_line
+from logtriage.analysis.stopped import stuck_after_warning, FINISHED_RULE, log_tail, message_of, output_stopped, unknown_error_line
 from logtriage.analysis.roots import ChainLink, RankFacts, RootCause, Verdict
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role
@@ -127,7 +127,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = unknown_error_line(scan, keys, tail, catalog, frozenset((f.source, f.line) for f in findings))
         verdict = Verdict.FAILED if root is not None else Verdict.OK
         if root is None:
-            root = output_stopped(scan, keys, tail, facts, catalog)
+            root = stuck_after_warning(tail, findings) or output_stopped(scan, keys, tail, facts, catalog)
             verdict = Verdict.HUNG if root is not None else Verdict.OK
     recovered = None
     if verdict is Verdict.FAILED and root is not None:

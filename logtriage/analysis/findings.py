@@ -47,6 +47,9 @@ _RAISE_LINE = re.compile(r"^\s+raise\b")
 _WRAPPER_RULES = frozenset({"signal.native_terminate"})
 _WORKER_FIELDS = frozenset({"local_rank", "pid", "process", "task"})
 _INFO_LINE = re.compile(r"^\[?I\d{3,4} \d\d:\d\d:\d\d")
+# a line c10 (or torchelastic's logger) printed at WARNING level: `[W socket.cpp:601] ...`,
+# `[W1130 10:00:00.123456789 socket.cpp:764] ...`, `W0422 05:07:49.013000 204 ...api.py:...] ...`
+_WARNING_LINE = re.compile(r"^\[?W\d{3,4} \d\d:\d\d:\d\d|^\[W [\w.]+:\d+\]")
 # numbers, with a size's unit (`433.81 MiB` and `3.63 GiB` free on two ranks' GPUs are one kind of message)
 _MASK = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)? ?(?:[KMGTP]i?B|bytes)\b|\d+")
 
@@ -92,9 +95,18 @@ class Finding:
     @property
     def is_error(self) -> bool:
         """An error finding; a line logged at INFO level (`I0228 ...`, `[I1130 ...]`) reports, it
-        does not fail (the NCCL watchdog's INFO notes during a normal shutdown)."""
+        does not fail (the NCCL watchdog's INFO notes during a normal shutdown), and neither does
+        one logged at WARNING level by a rule that says so (c10d's `[W socket.cpp:601] ... cannot
+        be retrieved (gai error ...)`, after which it retries and usually connects)."""
         return (self.rule.severity is Severity.ERROR and self.rule.role is not Role.CONTEXT
-                and not _INFO_LINE.match(self.text))
+                and not _INFO_LINE.match(self.text) and not self.logged_as_warning)
+
+    @property
+    def logged_as_warning(self) -> bool:
+        """A finding of a rule whose text is benign at WARNING level, on a line its program logged
+        at that level (most programs log real errors as warnings too: a port in use, an
+        allocator's OOM)."""
+        return self.rule.benign_at_warning_level and _WARNING_LINE.match(self.text) is not None
 
     @property
     def is_teardown(self) -> bool:

@@ -65,6 +65,22 @@ def output_stopped(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]
                      tuple(reasons))
 
 
+def stuck_after_warning(tail: list[TailLine], findings: list[Finding]) -> RootCause | None:
+    """A log whose job output ends on a warning its program logs before retrying (c10d's `[W
+    socket.cpp:601] ... cannot be retrieved (gai error ...)`): the run hangs there, and that
+    warning is the likely reason."""
+    warned = {(f.source, f.line): f for f in findings if f.logged_as_warning}
+    for source, number, text in reversed(tail):
+        finding = warned.get((source, number))
+        if finding is not None:
+            return RootCause(finding.rule, finding, finding.rank, (finding.rank,) if finding.rank is not None else (),
+                             0.3, (f"the output stops at line {number}, a warning its program logs before it retries: "
+                                   "if the job did not go on, it is stuck retrying, and this is the likely reason",))
+        if _JOB_OUTPUT.search(text):
+            return None
+    return None
+
+
 def unknown_error_line(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine],
                        catalog: Catalog, known: frozenset[tuple[int, int]] = frozenset()) -> RootCause | None:
     """The first line of the log's end (`tail`) that says error in plain words when no error rule

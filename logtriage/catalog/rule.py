@@ -61,7 +61,7 @@ REQUIRED_FIELDS = ("id", "title", "category", "role")
 DOC_FIELDS = ("layer", "explanation", "fix", "misdiagnosis", "references")
 KNOWN_FIELDS = frozenset(REQUIRED_FIELDS + DOC_FIELDS + (
     "patterns", "severity", "priority", "aliases", "status", "engine", "examples",
-    "counterexamples", "derived", "teardown",
+    "counterexamples", "derived", "teardown", "benign_at_warning_level",
 ))
 
 
@@ -101,6 +101,9 @@ class Rule:
     counterexamples: tuple[Example, ...] = ()
     derived: bool = False  # no patterns: produced by the analysis (e.g. hang.no_progress)
     teardown: bool = False  # the launcher tearing the job down (SIGTERM to survivors, summary)
+    # on a line its program logged at WARNING level (`[W socket.cpp:601] ...`) the text is not an
+    # error: the program goes on (c10d retries an address it could not resolve)
+    benign_at_warning_level: bool = False
     path: str = ""
 
     @property
@@ -144,6 +147,7 @@ class Rule:
             counterexamples=_examples(data, "counterexamples"),
             derived=derived,
             teardown=bool(data.get("teardown", False)),
+            benign_at_warning_level=bool(data.get("benign_at_warning_level", False)),
             path=path,
         )
 
@@ -153,6 +157,7 @@ class Rule:
             "id": self.id, "title": self.title, "category": self.category.value,
             "layer": self.layer.value if self.layer else None, "role": self.role.value,
             "severity": self.severity.value, "priority": self.priority, "teardown": self.teardown,
+            "benign_at_warning_level": self.benign_at_warning_level,
             "aliases": list(self.aliases), "status": self.status, "patterns": list(self.patterns),
             "explanation": self.explanation, "fix": self.fix, "misdiagnosis": self.misdiagnosis,
             "references": list(self.references), "path": self.path,
