@@ -146,6 +146,14 @@ EVERY_LINE_LABELS = [
       "self.one_hot = torch.full((1, size), self.smoothing_value).to(device)",
       "RuntimeError: CUDA error: invalid device ordinal"], None,
      ["> one quoted line", "plain", "another plain"]),
+    # sample_logs/public78/moe_autotp_*: the run's output pasted below a script as comments; the
+    # indent of a traceback's frame stays
+    ("quoted",
+     ["# Traceback (most recent call last):", '#   File "/root/fix.py", line 47, in <module>',
+      "# [rank1]: TypeError: generate() argument after ** must be a mapping, not Tensor"],
+     ["Traceback (most recent call last):", '  File "/root/fix.py", line 47, in <module>',
+      "TypeError: generate() argument after ** must be a mapping, not Tensor"], 1,
+     ["# a comment", "plain", "another plain"]),
 ]
 
 

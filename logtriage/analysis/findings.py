@@ -116,7 +116,8 @@ class Finding:
     def exception_type(self) -> str | None:
         """The exception type as printed (`torch.OutOfMemoryError`), from the rule's capture or
         from the line itself when it is an exception line."""
-        return self.captures.get("exception_type") or exception_type_of(self.text) \
+        captured = self.captures.get("exception_type")
+        return (unglued(captured) if captured else None) or exception_type_of(self.text) \
             or exception_type_of(self.block_exception)
 
     @property
@@ -140,8 +141,13 @@ def exception_type_of(text: str) -> str | None:
     m = EXCEPTION_HEAD.match(text.lstrip(" \t").lstrip("*_`"))   # indented: an error file's, in the launcher's summary
     if not m:
         return None
-    glued = _GLUED_NAME.fullmatch(m.group(1))   # ranks writing at once: `RuntimeErrorRuntimeError: ...`
-    return glued.group(1) if glued else m.group(1)
+    return unglued(m.group(1))
+
+
+def unglued(name: str) -> str:
+    """One exception name of several ranks' copies written at once (`RuntimeErrorRuntimeError`)."""
+    glued = _GLUED_NAME.fullmatch(name)
+    return glued.group(1) if glued else name
 
 
 def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[ChildFailure]) -> list[Finding]:

@@ -1,7 +1,8 @@
 """Launcher prefixes, outermost first, each stripped once:
 
     paste indentation   every line indented alike (a log pasted as a Markdown code block)
-    Markdown quote      `> ` before every line (a log pasted as a quote; likewise)
+    Markdown quote      `> ` before every line (a log pasted as a quote; likewise), or `# ` (a
+                        log pasted as comments into a script)
     collector stamp     `2023-05-26T16:48:07.093268664Z ` or `...Z: `  (docker logs -t, kubectl logs
                                                    --timestamps, job-service consoles;
                                                    only when the log uses it widely)
@@ -43,7 +44,8 @@ _COLLECTOR_STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:
 # line number (`704.7s\t1290\t`)
 _CLOCK_STAMP = re.compile(r"^(?:(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) [ \d]\d \d\d:\d\d:\d\d(?:\.\d{1,9})? "
                           r"|\d{1,7}\.\d{1,3}s\t\d{1,9}\t)")
-_QUOTE = re.compile(r"^> ?")
+# a quote's or a comment's mark: `> ` (Markdown) or `# ` (output pasted into a script below its code)
+_QUOTE_MARKS = (">", "#")
 # a supervisor's constant tag in front of its child's output (`[TRAINING] [rank0]: ...`): a word, no digits
 _WRAPPER_TAG = re.compile(r"^\[([A-Za-z][A-Za-z_ .-]{1,30})\] ")
 _NOT_TAGS = frozenset("info warn warning error err debug critical fatal trace notice stdout stderr".split())
@@ -85,7 +87,8 @@ class Dialect:
     stamped: bool = False      # every line starts with the log collector's RFC 3339 time
     clock_stamped: bool = False  # every line starts with a clock (`Nov 26 23:08:31 `, Kaggle's `704.7s\t1290\t`)
     pytest: bool = False       # a pytest failure report: the exception's lines start with `E   `
-    quoted: bool = False       # every line starts with a Markdown quote's `> `
+    quoted: bool = False       # every line starts with a Markdown quote's `> ` (or `quote_mark`)
+    quote_mark: str = ">"      # `#`: the log was pasted as comments
     wrapper_tag: str = ""      # most lines start with this supervisor's `[TAG] `
     srun_nodes: bool = False   # srun tasks are nodes (one torchrun each), not ranks
     hosts: frozenset[str] = field(default_factory=frozenset)
@@ -109,9 +112,11 @@ class Dialect:
         indent = min(indent, MAX_INDENT)
         if indent:
             lines = [line[indent:] for line in lines]
-        quoted = len(lines) >= 2 and sum(1 for line in lines if line.startswith(">")) * 3 >= len(lines) * 2
+        quote_mark = next((mark for mark in _QUOTE_MARKS
+                           if sum(1 for line in lines if line.startswith(mark)) * 3 >= len(lines) * 2), ">")
+        quoted = len(lines) >= 2 and sum(1 for line in lines if line.startswith(quote_mark)) * 3 >= len(lines) * 2
         if quoted:
-            lines = [_QUOTE.sub("", line, count=1) for line in lines]
+            lines = [_unquote(line, quote_mark) for line in lines]
         stamped = sum(1 for line in lines if _COLLECTOR_STAMP.match(line)) * 3 >= len(lines) * 2
         if stamped:
             lines = [_COLLECTOR_STAMP.sub("", line, count=1) for line in lines]
@@ -143,8 +148,15 @@ class Dialect:
             chosen |= frozenset(named)
         srun = srun_hits * 3 >= len(lines) and srun_hits >= 3
         return cls(srun=srun, stamped=stamped, clock_stamped=clock_stamped, pytest=pytest, quoted=quoted,
+                   quote_mark=quote_mark,
                    wrapper_tag=wrapper_tag,
                    hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines), indent=indent)
+
+
+def _unquote(line: str, mark: str) -> str:
+    """The line without its quote mark and one blank after it."""
+    text = line[len(mark):] if line.startswith(mark) else line
+    return text[1:] if text.startswith(" ") else text
 
 
 def _wrapper_tag(lines: list[str]) -> str:
@@ -205,8 +217,8 @@ def _line_labels(line: str, dialect: Dialect) -> tuple[str, list[tuple[str, re.M
     if dialect.indent and text[:dialect.indent].isspace() and len(text) >= dialect.indent:
         text = text[dialect.indent:]
         labels.append(("indent", None))
-    if dialect.quoted and text.startswith(">"):
-        text = _QUOTE.sub("", text, count=1)
+    if dialect.quoted and text.startswith(dialect.quote_mark):
+        text = _unquote(text, dialect.quote_mark)
         labels.append(("quote", None))
     for layer, pattern in dialect.label_patterns:
         m = pattern.match(text)
