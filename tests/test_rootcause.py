@@ -925,3 +925,11 @@ def test_several_ranks_exception_names_glued_are_one_type(tmp_path):
                       "TypeErrorTypeErrorTypeError: : TypeError: generate() argument after ** must be a mapping, "
                       "not Tensorgenerate() argument after ** must be a mapping, not Tensor\n")["root_cause"]
     assert (rc["rule_id"], rc["exception_type"]) == ("python.exception", "TypeError")
+
+
+def test_a_time_limit_around_a_stuck_test_is_a_hang(tmp_path):
+    # pytorch/pytorch#29382 (sample_logs/public76/pytorch29382_*): MultiProcessTestCase ends a
+    # process still running at the test's timeout; the run was stuck, the limit only ended it
+    log = tmp_path / "harness.log"
+    report = _report(log, "Process 0 terminated or timed out after 300.0 seconds\n")
+    assert (report["verdict"], report["root_cause"]["rule_id"]) == ("hung", "hang.test_harness_timeout")

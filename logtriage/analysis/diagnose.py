@@ -102,7 +102,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is not None:
         root = stopped_while_waiting(root, findings, _interrupted_frames(scan), catalog)
     verdict = Verdict.FAILED if root is not None else Verdict.OK
-    if root is not None and root.rule.id == STOPPED_WHILE_WAITING:
+    if root is not None and (root.rule.id == STOPPED_WHILE_WAITING or root.rule.stuck):
         verdict = Verdict.HUNG
     notes: list[str] = []
     if root is None or root.rule.category in (Category.EXTERNAL_STOP, Category.UNKNOWN) or root.rule.role is Role.EITHER:

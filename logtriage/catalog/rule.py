@@ -61,7 +61,7 @@ REQUIRED_FIELDS = ("id", "title", "category", "role")
 DOC_FIELDS = ("layer", "explanation", "fix", "misdiagnosis", "references")
 KNOWN_FIELDS = frozenset(REQUIRED_FIELDS + DOC_FIELDS + (
     "patterns", "severity", "priority", "aliases", "status", "engine", "examples",
-    "counterexamples", "derived", "teardown", "benign_at_warning_level",
+    "counterexamples", "derived", "teardown", "benign_at_warning_level", "stuck",
 ))
 
 
@@ -104,6 +104,8 @@ class Rule:
     # on a line its program logged at WARNING level (`[W socket.cpp:601] ...`) the text is not an
     # error: the program goes on (c10d retries an address it could not resolve)
     benign_at_warning_level: bool = False
+    # as a root: the job was stuck when something stopped it (a test harness's timeout): verdict hung
+    stuck: bool = False
     path: str = ""
 
     @property
@@ -148,6 +150,7 @@ class Rule:
             derived=derived,
             teardown=bool(data.get("teardown", False)),
             benign_at_warning_level=bool(data.get("benign_at_warning_level", False)),
+            stuck=bool(data.get("stuck", False)),
             path=path,
         )
 
@@ -157,7 +160,7 @@ class Rule:
             "id": self.id, "title": self.title, "category": self.category.value,
             "layer": self.layer.value if self.layer else None, "role": self.role.value,
             "severity": self.severity.value, "priority": self.priority, "teardown": self.teardown,
-            "benign_at_warning_level": self.benign_at_warning_level,
+            "benign_at_warning_level": self.benign_at_warning_level, "stuck": self.stuck,
             "aliases": list(self.aliases), "status": self.status, "patterns": list(self.patterns),
             "explanation": self.explanation, "fix": self.fix, "misdiagnosis": self.misdiagnosis,
             "references": list(self.references), "path": self.path,
