@@ -920,10 +920,9 @@ def test_c10d_resolution_warning_is_no_failure_unless_the_output_stops_on_it(tmp
 def test_several_ranks_exception_names_glued_are_one_type(tmp_path):
     # sample_logs/public78/moe_autotp_*: four ranks wrote their exception lines at once
     log = tmp_path / "glued.log"
-    rc = _report(log, "Traceback (most recent call last):\n"
-                      '  File "/root/fix.py", line 47, in <module>\n    gen_tokens = model.generate(\n'
-                      "TypeErrorTypeErrorTypeError: : TypeError: generate() argument after ** must be a mapping, "
-                      "not Tensorgenerate() argument after ** must be a mapping, not Tensor\n")["root_cause"]
+    rc = _report(log, _traceback("/root/fix.py", 47, "<module>", "gen_tokens = model.generate(",
+                                 "TypeErrorTypeErrorTypeError: : TypeError: generate() argument after ** must be a "
+                                 "mapping, not Tensorgenerate() argument after ** must be a mapping, not Tensor"))["root_cause"]
     assert (rc["rule_id"], rc["exception_type"]) == ("python.exception", "TypeError")
 
 
