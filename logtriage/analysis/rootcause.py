@@ -25,6 +25,7 @@ from logtriage.demux.streams import StreamKind
 # a line saying the program carried on with a substitute ("falling back to torch.optim.AdamW")
 FALLBACK_RULE = "context.fallback"
 FALLBACK_REACH = 3   # input lines after an error within which such a line is its recovery
+EXIT_RULE = "signal.exit_nonzero"   # a worker's exit code, and nothing else about it
 
 
 def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
@@ -47,8 +48,11 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
                   and not (f.category is Category.UNKNOWN and any(t.seq < f.seq for t in timeouts))
                   and not any(clearly_before(t.stamp, f.stamp) or _hang_after(t, f) for t in timeouts)]
     if either:
-        specific = [f for f in either if f.rule.id != "signal.exit_nonzero"] or either
-        confidence = 0.6 if specific[0].rule.id != "signal.exit_nonzero" else 0.35
+        # a signal or an error beats a bare exit code, and so does a node's notice of an exit
+        # (pdsh's `ssh exited with exit code 1`) unless that rank's own exit code is in the log
+        # (torchelastic's `failed (exitcode: 3) local_rank: 1`)
+        specific = [f for f in either if f.rule.id != EXIT_RULE and not _notice_of_own_exit(f, either)] or either
+        confidence = 0.6 if specific[0].rule.id != EXIT_RULE else 0.35
         return _group_root(specific, live, facts, confidence)
     timeouts = [f for f in live if f.category is Category.COLLECTIVE_TIMEOUT and f.role is not Role.CAUSE_CONFIRMATION]
     if timeouts:
@@ -64,6 +68,13 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
 
 # what a job stopped by the scheduler shows as its stop, not as an error of its own
 _STOP_ECHOES = frozenset({Category.EXTERNAL_STOP, Category.CRASH_SIGNAL, Category.UNKNOWN, Category.HANG})
+
+
+def _notice_of_own_exit(finding: Finding, either: list[Finding]) -> bool:
+    """A launcher's notice that a node or task exited non-zero (its category unknown), for a rank
+    (or, naming none, a node) whose worker's own exit code the log also holds."""
+    return (finding.category is Category.UNKNOWN and finding.rule.id != EXIT_RULE
+            and any(f.rule.id == EXIT_RULE and f.rank is not None and finding.rank in (None, f.rank) for f in either))
 
 
 def _errors_before_stop(roots: list[Finding], live: list[Finding]) -> list[Finding]:

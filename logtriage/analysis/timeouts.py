@@ -88,6 +88,8 @@ def _odd_collective(timeouts: list[Finding]) -> tuple[int, str, str] | None:
     by_rank = {f.rank: f.collective or f.last_frame for f in timeouts
                if f.rank is not None and (f.collective or f.last_frame)}
     names = list(by_rank.values())
+    if len(by_rank) == 2:
+        return _left_the_loop(timeouts)
     if len(by_rank) < 3:
         return None
     odd = [r for r, name in by_rank.items() if names.count(name) == 1]
@@ -95,6 +97,18 @@ def _odd_collective(timeouts: list[Finding]) -> tuple[int, str, str] | None:
         return None
     place = by_rank[odd[0]]
     return odd[0], place, next(name for name in names if name != place)
+
+
+def _left_the_loop(timeouts: list[Finding]) -> tuple[int, str, str] | None:
+    """Two ranks timed out, one in DDP's backward (its all-reduce has no Python frame of its own),
+    the other in a collective its own code called outside it (a barrier after the loop): that
+    rank left the training loop early (fewer batches), as the odd rank out does among more."""
+    explicit = {f.rank: f.collective for f in timeouts if f.rank is not None and f.collective}
+    backward = {f.rank for f in timeouts if f.rank is not None and not f.collective and "backward" in f.last_frame}
+    if len(explicit) != 1 or len(backward) != 1 or set(explicit) & backward:
+        return None
+    rank, place = next(iter(explicit.items()))
+    return rank, place, "DDP's backward all-reduce"
 
 
 def _broadcast_source(timeouts: list[Finding]) -> int | None:
