@@ -9,6 +9,8 @@ only consequences left, collective timeouts point at the rank that is missing fr
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
@@ -26,10 +28,14 @@ from logtriage.demux.streams import StreamKind
 FALLBACK_RULE = "context.fallback"
 FALLBACK_REACH = 3   # input lines after an error within which such a line is its recovery
 EXIT_RULE = "signal.exit_nonzero"   # a worker's exit code, and nothing else about it
+# a process re-raising what its DataParallel replica or DataLoader worker raised
+_RERAISE = re.compile(r"\bCaught \w+ in (?:replica \d+ on device \d+|DataLoader worker process \d+)\.?\s*$")
+RERAISE_REACH = 200   # input lines after the re-raise within which its original traceback ends
 
 
 def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
-    live = _not_recovered([f for f in findings if f.is_error and not f.is_teardown], findings)
+    live = _without_reraise_wrappers(_not_recovered([f for f in findings if f.is_error and not f.is_teardown],
+                                                     findings))
     roots = [f for f in live if f.role is Role.ROOT_CANDIDATE and not _reports_death_after_own_error(f, live)]
     if roots:
         before = _errors_before_stop(roots, live)
@@ -56,7 +62,7 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
         return _group_root(specific, live, facts, confidence)
     timeouts = [f for f in live if f.category is Category.COLLECTIVE_TIMEOUT and f.role is not Role.CAUSE_CONFIRMATION]
     if timeouts:
-        return missing_rank_root(timeouts, live, facts)
+        return missing_rank_root(timeouts, live, facts, findings)
     cascade = [f for f in live if f.role is Role.CASCADE_CANDIDATE]
     if cascade:
         first = earliest(cascade)
@@ -68,6 +74,19 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
 
 # what a job stopped by the scheduler shows as its stop, not as an error of its own
 _STOP_ECHOES = frozenset({Category.EXTERNAL_STOP, Category.CRASH_SIGNAL, Category.UNKNOWN, Category.HANG})
+
+
+def _without_reraise_wrappers(live: list[Finding]) -> list[Finding]:
+    """DataParallel's and the DataLoader's re-raise (`RuntimeError: Caught RuntimeError in replica 0
+    on device 0.`) is followed by the `Original Traceback` whose own error says more: the wrapper
+    yields to an error found there."""
+    wrappers = [f for f in live if _RERAISE.search(f.text)]
+    if not wrappers:
+        return live
+    dropped = {id(w) for w in wrappers
+               if any(g.source == w.source and 0 < g.line - w.line <= RERAISE_REACH and not _RERAISE.search(g.text)
+                      for g in live)}
+    return [f for f in live if id(f) not in dropped]
 
 
 def _notice_of_own_exit(finding: Finding, either: list[Finding]) -> bool:

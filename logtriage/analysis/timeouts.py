@@ -23,7 +23,8 @@ def named_culprit(live: list[Finding]) -> int | None:
     return None
 
 
-def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankFacts) -> RootCause:
+def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankFacts,
+                      findings: list[Finding] | None = None) -> RootCause:
     first = earliest(timeouts)
     timed_out = {f.rank for f in timeouts if f.rank is not None}
     # a rank whose wait ended on a peer's closed connection was in the collective too, unless it
@@ -38,6 +39,12 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
     if culprit is not None:
         return RootCause(first.rule, first, culprit, (culprit,), 0.75,
                          (f"a debug report names rank {culprit} as the one that lagged",))
+    short = _enqueued_fewer([*live, *(findings or [])])
+    if short is not None:
+        rank, count, others = short
+        return RootCause(first.rule, first, rank, (rank,), 0.6, (
+            f"rank {rank} had enqueued NCCL work up to {count}, every other rank up to {others}: it never issued "
+            "the collective the others waited in",))
     waiters = sorted(timed_out)
     if missing and waiters and all(m in facts.completed for m in missing) and (
             len(waiters) < len(missing) or (len(waiters) == len(missing) and 0 in waiters)):
@@ -79,6 +86,22 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
             f"every rank timed out; rank {behind} was behind the others (lowest last step)",))
     return RootCause(first.rule, first, None, tuple(sorted(timed_out)), 0.35,
                      ("every rank timed out and nothing in the log tells them apart",))
+
+
+def _enqueued_fewer(live: list[Finding]) -> tuple[int, int, int] | None:
+    """The watchdog's (and the flight recorder's dump notice's) `last enqueued NCCL work: N` per
+    rank (one process group's numbering): the one rank behind all others, which agree, never
+    issued their collective."""
+    counts: dict[int, int] = {}
+    for f in live:
+        value = f.captures.get("last_enqueued", "")
+        if f.rank is not None and value.lstrip("-").isdigit():
+            counts[f.rank] = max(counts.get(f.rank, int(value)), int(value))
+    if len(counts) < 3 or len(set(counts.values())) != 2:
+        return None
+    low = min(counts.values())
+    behind = [r for r, c in counts.items() if c == low]
+    return (behind[0], low, max(counts.values())) if len(behind) == 1 else None
 
 
 def _odd_collective(timeouts: list[Finding]) -> tuple[int, str, str] | None:

@@ -78,9 +78,10 @@ def _exception_type(scan: ScanResult, diag: Diagnosis, finding: Finding) -> str 
         return None   # a launcher line about a worker: the launcher's own traceback is not its cause
     # the same error again soon after, as an exception line (spliced pastes; an unprefixed C++ warning
     # of torchrun's store, then the agent's own traceback ending in that error; an unprefixed NCCL
-    # WARN, then a rank's DistBackendError quoting it)
+    # WARN, then a rank's DistBackendError quoting it); or on another rank, when the root line is
+    # one rank's message without its exception line (an excerpt that starts inside it)
     for other in diag.findings:
-        same_process = other.stream == stream or (stream.kind is StreamKind.UNATTRIBUTED
+        same_process = other.stream == stream or (stream.kind in (StreamKind.UNATTRIBUTED, StreamKind.RANK)
                                                   and other.stream.kind in (StreamKind.LAUNCHER, StreamKind.RANK))
         if (other.rule.id == finding.rule.id and same_process and other.exception_type
                 and other.source == finding.source and finding.line < other.line <= finding.line + NEARBY_LINES):
