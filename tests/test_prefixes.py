@@ -153,7 +153,7 @@ EVERY_LINE_LABELS = [
       "# [rank1]: TypeError: generate() argument after ** must be a mapping, not Tensor"],
      ["Traceback (most recent call last):", '  File "/root/fix.py", line 47, in <module>',
       "TypeError: generate() argument after ** must be a mapping, not Tensor"], 1,
-     ["# a comment", "plain", "another plain"]),
+     ["#0  0x00007f3c in raise () from libc.so.6", "#1  0x00007f3d in abort () from libc.so.6", "plain"]),
 ]
 
 

@@ -38,7 +38,8 @@ from logtriage.analysis.refine import (
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
-from logtriage.analysis.stopped import stuck_after_warning, FINISHED_RULE, log_tail, message_of, output_stopped, unknown_error_line
+from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, message_of, output_stopped, stuck_after_warning,
+                                        unknown_error_line)
 from logtriage.analysis.roots import ChainLink, RankFacts, RootCause, Verdict
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role

@@ -88,12 +88,12 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
                      ("every rank timed out and nothing in the log tells them apart",))
 
 
-def _enqueued_fewer(live: list[Finding]) -> tuple[int, int, int] | None:
+def _enqueued_fewer(findings: list[Finding]) -> tuple[int, int, int] | None:
     """The watchdog's (and the flight recorder's dump notice's) `last enqueued NCCL work: N` per
     rank (one process group's numbering): the one rank behind all others, which agree, never
     issued their collective."""
     counts: dict[int, int] = {}
-    for f in live:
+    for f in findings:
         value = f.captures.get("last_enqueued", "")
         if f.rank is not None and value.lstrip("-").isdigit():
             counts[f.rank] = max(counts.get(f.rank, int(value)), int(value))

@@ -45,7 +45,7 @@ _COLLECTOR_STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:
 _CLOCK_STAMP = re.compile(r"^(?:(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) [ \d]\d \d\d:\d\d:\d\d(?:\.\d{1,9})? "
                           r"|\d{1,7}\.\d{1,3}s\t\d{1,9}\t)")
 # a quote's or a comment's mark: `> ` (Markdown) or `# ` (output pasted into a script below its code)
-_QUOTE_MARKS = (">", "#")
+_QUOTE_MARKS = (">", "#")   # `#` only before a blank or the line's end: gdb's `#0  0x...` frames are not comments
 # a supervisor's constant tag in front of its child's output (`[TRAINING] [rank0]: ...`): a word, no digits
 _WRAPPER_TAG = re.compile(r"^\[([A-Za-z][A-Za-z_ .-]{1,30})\] ")
 _NOT_TAGS = frozenset("info warn warning error err debug critical fatal trace notice stdout stderr".split())
@@ -113,8 +113,8 @@ class Dialect:
         if indent:
             lines = [line[indent:] for line in lines]
         quote_mark = next((mark for mark in _QUOTE_MARKS
-                           if sum(1 for line in lines if line.startswith(mark)) * 3 >= len(lines) * 2), ">")
-        quoted = len(lines) >= 2 and sum(1 for line in lines if line.startswith(quote_mark)) * 3 >= len(lines) * 2
+                           if sum(1 for line in lines if _quoted(line, mark)) * 3 >= len(lines) * 2), ">")
+        quoted = len(lines) >= 2 and sum(1 for line in lines if _quoted(line, quote_mark)) * 3 >= len(lines) * 2
         if quoted:
             lines = [_unquote(line, quote_mark) for line in lines]
         stamped = sum(1 for line in lines if _COLLECTOR_STAMP.match(line)) * 3 >= len(lines) * 2
@@ -151,6 +151,11 @@ class Dialect:
                    quote_mark=quote_mark,
                    wrapper_tag=wrapper_tag,
                    hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines), indent=indent)
+
+
+def _quoted(line: str, mark: str) -> bool:
+    """The line starts with the quote mark (`#` only as a comment's: before a blank or the end)."""
+    return line.startswith(mark) and (mark == ">" or line[len(mark):len(mark) + 1] in ("", " "))
 
 
 def _unquote(line: str, mark: str) -> str:
@@ -217,7 +222,7 @@ def _line_labels(line: str, dialect: Dialect) -> tuple[str, list[tuple[str, re.M
     if dialect.indent and text[:dialect.indent].isspace() and len(text) >= dialect.indent:
         text = text[dialect.indent:]
         labels.append(("indent", None))
-    if dialect.quoted and text.startswith(dialect.quote_mark):
+    if dialect.quoted and _quoted(text, dialect.quote_mark):
         text = _unquote(text, dialect.quote_mark)
         labels.append(("quote", None))
     for layer, pattern in dialect.label_patterns:
