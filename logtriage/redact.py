@@ -52,7 +52,8 @@ _NOT_SECRET_NAMES = re.compile(r"(?i)^(?:pad|eos|bos|unk|sep|cls|mask|additional
 _PLACEHOLDER = re.compile(r"(?i)^(?:|none|null|nil|true|false|yes|no|\*+|x{3,}|\.{3}|<[^<>]*>|\$\{?\w+\}?|"
                           r"%\w+%|\[REDACTED:\w+\]|redacted|not set|unset|changeme)$")
 
-_SHORT_NUMBER = re.compile(r"^\d{1,8}$")
+# a count or a metric (`query_token: 0.0038` in a training log), not a secret
+_SHORT_NUMBER = re.compile(r"^\d{1,8}(?:\.\d{1,8})?$")
 # Lower-case config names that are secret only by their `_key` suffix (`full_key`, `sort_key`) hold
 # code names: a dotted identifier without digits (`dataset.train_dataset`) is not a secret.
 _WEAK_SECRET_NAME = re.compile(r"^(?!.*(?:api|secret|token|pass|private|auth|cred|access))[a-z_.-]*[_-]key$")

@@ -79,6 +79,8 @@ def test_assignment_keeps_the_name_and_quotes():
     "pad_token=<pad> eos_token='</s>' MAX_TOKENS=4096 max_new_tokens=512 TOKENIZERS_PARALLELISM=false",
     "key:/default_pg/0//cpu//0/1 not found; KeyError: 'target'",
     "HF_TOKEN=None HF_TOKEN= token=null",
+    # a training log's gradient norms per module (sample_logs/public80): a metric, not a secret
+    "Grad/conf_head: 0.1573 (1.1025) | Grad/register_token,query_token: 0.0038 (0.0064)",
     "E1130 01:07:07.885000 20369 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) "
     "local_rank: 3 (pid: 20382) of binary: /tmp/venv/bin/python",
     "[E ProcessGroupNCCL.cpp:457] [Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=1132079, "
