@@ -81,9 +81,10 @@ def _exception_type(scan: ScanResult, diag: Diagnosis, finding: Finding) -> str 
     # WARN, then a rank's DistBackendError quoting it); or on another rank, when the root line is
     # one rank's message without its exception line (an excerpt that starts inside it)
     for other in diag.findings:
-        same_process = other.stream == stream or (stream.kind in (StreamKind.UNATTRIBUTED, StreamKind.RANK)
-                                                  and other.stream.kind in (StreamKind.LAUNCHER, StreamKind.RANK))
-        if (other.rule.id == finding.rule.id and same_process and other.exception_type
+        # its own stream, or (for a rank's or an unattributed line) any rank's or the launcher's
+        may_tell = other.stream == stream or (stream.kind in (StreamKind.UNATTRIBUTED, StreamKind.RANK)
+                                              and other.stream.kind in (StreamKind.LAUNCHER, StreamKind.RANK))
+        if (other.rule.id == finding.rule.id and may_tell and other.exception_type
                 and other.source == finding.source and finding.line < other.line <= finding.line + NEARBY_LINES):
             return other.exception_type
     for block_id, (source, first, _) in sorted(scan.blocks.items(), key=lambda kv: kv[1][1]):
