@@ -206,6 +206,15 @@ def test_a_short_paste_with_a_node_name_on_every_line_reads_it_as_a_host():
     assert Dialect.detect(["model: llama", "lr: 0.1", "epochs: 3"]).hosts == frozenset()
 
 
+def test_a_script_naming_itself_on_every_rank_is_not_a_host():
+    # sample_logs/public81/dualstylegan_*: eight ranks' argparse error, `finetune_stylegan.py: error: ...`
+    sample = ["usage: finetune_stylegan.py [-h] [--iter ITER] [--batch BATCH]",
+              "finetune_stylegan.py: error: the following arguments are required: path"] * 8
+    dialect = Dialect.detect(sample)
+    assert dialect.hosts == frozenset()
+    assert strip_prefixes(sample[1], dialect).text == sample[1]
+
+
 def test_launcher_labels_stay_on_every_glued_piece():
     # pdsh labels a host's every line: both ranks' output glued on it are that host's
     # (sample_logs/cpu_matrix/*pdsh_nodes_tee3*); an MPI tag before a torch prefix is one piece

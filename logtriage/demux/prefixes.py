@@ -78,6 +78,10 @@ _NOT_HOSTS = frozenset(
     "srun slurmstepd sbatch salloc scontrol mpirun mpiexec orterun prterun bash sh python python3 "
     "torchrun deepspeed accelerate pdsh ssh".split())
 _EXCEPTION_NAME = re.compile(r"(?:Error|Exception|Warning|Interrupt|Exit|Failure|Fault)$")
+# a program or source file that names itself before its message (argparse's `train.py: error: ...`,
+# `ProcessGroupNCCL.cpp: ...`), however many ranks repeat it
+_SOURCE_FILE = re.compile(r"\.(?:py|pyx|sh|c|cc|cpp|cu|cuh|h|hpp|rs|go|java|js|ts|lua|pl|rb|jl|yaml|yml|json|toml|txt|log)$",
+                          re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -207,7 +211,7 @@ def _tasks_are_nodes(lines: list[str]) -> bool:
 
 
 def _host_like(token: str) -> bool:
-    if token.lower() in _NOT_HOSTS or _EXCEPTION_NAME.search(token):
+    if token.lower() in _NOT_HOSTS or _EXCEPTION_NAME.search(token) or _SOURCE_FILE.search(token):
         return False
     if token[0].isupper() and token[1:].islower() and token.isalpha():
         return False  # "Note", "Warning"-like words
