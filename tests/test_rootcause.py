@@ -949,3 +949,16 @@ def test_a_time_limit_around_a_stuck_test_is_a_hang(tmp_path):
     log = tmp_path / "harness.log"
     report = _report(log, "Process 0 terminated or timed out after 300.0 seconds\n")
     assert (report["verdict"], report["root_cause"]["rule_id"]) == ("hung", "hang.test_harness_timeout")
+
+
+def test_vllms_own_workers_share_the_node_so_the_oom_device_is_the_rank_but_rays_are_not(tmp_path):
+    # sample_logs/public82/nim_*: vLLM's multiprocessing executor, TP 2; the worker on cuda:0 fails its
+    # start-up memory check. Under Ray every worker sees its own GPU as cuda:0, which names no rank.
+    text = ("({who} pid=428) ERROR 09-01 07:40:16 [multiproc_executor.py:901] ValueError: Free memory on device "
+            "cuda:{dev} (110.9/140.55 GiB) on startup is less than desired GPU memory utilization (0.8, 112.44 GiB). "
+            "Decrease GPU memory utilization or reduce GPU memory used by other processes.\n")
+    log = tmp_path / "v.log"
+    rc = _report(log, text.format(who="Worker", dev=1))["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["rank"]) == ("gpu_oom", "cuda.oom", 1)
+    rc = _report(log, text.format(who="RayWorkerWrapper", dev=0))["root_cause"]
+    assert (rc["category"], rc["rank"]) == ("gpu_oom", None)

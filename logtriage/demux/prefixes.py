@@ -56,6 +56,9 @@ _MPI = re.compile(r"^\[(?:(\d{1,9}),)?(\d{1,12})\]<(?:stdout|stderr|stddiag)>: ?
 _HOST = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62}): ")
 # a Ray worker `(RayTrainWorker pid=1234, ip=...)`, a vLLM worker `(VllmWorker rank=0 pid=10672)` (its
 # rank), or SkyPilot's `(worker1, rank=1, pid=914, ip=...)` (a node's number)
+# vLLM's own multiprocessing executor labels its processes the same way; its workers share one
+# node's GPUs (worker k on cuda:k), unlike Ray's, which each see one GPU as cuda:0
+_VLLM_PROCESS = re.compile(r"^\((?:VllmWorker|Worker(?:_[A-Z]+\d+)*|EngineCore(?:_DP\d+)?|APIServer)(?: rank=\d+)? pid=\d+\) ")
 _RAY = re.compile(r"^\((?:[A-Za-z_][\w.-]{0,60} (?:rank=(\d{1,9}) )?|[\w.-]{1,60}, rank=(\d{1,9}), )?"
                   r"pid=\d{1,9}(?:, ip=[0-9A-Fa-f.:]{3,45})?\) ")
 _STREAM_TAG = re.compile(r"^\[std(?:out|err)\] ?")
@@ -277,7 +280,7 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
             rank = int(m.group(1))
         if m.group(2) is not None:
             host = f"node{int(m.group(2))}"   # SkyPilot numbers nodes; the processes' ranks come after
-        layers.append("ray")
+        layers.append("vllm" if _VLLM_PROCESS.match(m.group(0)) else "ray")
     m = _STREAM_TAG.match(text) if text[:4] == "[std" else None
     if m:
         text = text[m.end():]
