@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from logtriage.analysis.childfailed import ChildFailure, is_own_failure, parse_child_failures
+from logtriage.analysis.diverged import different_collectives_at_one_seq
 from logtriage.analysis.environment import Environment, collect_environment
 from logtriage.analysis.exceptions import (checkpoint_io, error_file_exception, frame_reading,
                                            probe_json_without_banner, same_error_in_summary)
@@ -23,7 +24,6 @@ from logtriage.analysis.refine import (
     PEER_LEFT_RULES,
     STOPPED_WHILE_WAITING,
     abort_after_dump_signal,
-    different_collectives_at_one_seq,
     exit_rule,
     hangup_forwarded,
     oom_device_rank,
