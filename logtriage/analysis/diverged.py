@@ -50,7 +50,10 @@ def _diverged_pair(root: RootCause, findings: list[Finding], rule: Rule) -> Root
     """The log's only two ranks each timed out first in another collective at another sequence
     number (rank 1 in _ALLGATHER_BASE #313, rank 0 in ALLREDUCE #315). A rank's works complete in
     order and only with its peer's matching work, so the two ranks' sequences of collectives had
-    already parted: a mismatch, and neither rank alone is the one that strayed."""
+    already parted: a mismatch, and neither rank alone is the one that strayed. A culprit the
+    timeouts already named (a silent rank, a debug report's) stays."""
+    if root.rank is not None:
+        return root
     first: dict[int, Finding] = {}
     for f in findings:
         seq, op = f.captures.get("seq", ""), f.captures.get("op")
