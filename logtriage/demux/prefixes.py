@@ -56,11 +56,12 @@ _MPI = re.compile(r"^\[(?:(\d{1,9}),)?(\d{1,12})\]<(?:stdout|stderr|stddiag)>: ?
 _HOST = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62}): ")
 # a Ray worker `(RayTrainWorker pid=1234, ip=...)`, a vLLM worker `(VllmWorker rank=0 pid=10672)` (its
 # rank), or SkyPilot's `(worker1, rank=1, pid=914, ip=...)` (a node's number)
-# vLLM's own multiprocessing executor labels its processes the same way; its workers share one
-# node's GPUs (worker k on cuda:k), unlike Ray's, which each see one GPU as cuda:0
-_VLLM_PROCESS = re.compile(r"^\((?:VllmWorker|Worker(?:_[A-Z]+\d+)*|EngineCore(?:_DP\d+)?|APIServer)(?: rank=\d+)? pid=\d+\) ")
 _RAY = re.compile(r"^\((?:[A-Za-z_][\w.-]{0,60} (?:rank=(\d{1,9}) )?|[\w.-]{1,60}, rank=(\d{1,9}), )?"
                   r"pid=\d{1,9}(?:, ip=[0-9A-Fa-f.:]{3,45})?\) ")
+# vLLM's own multiprocessing executor labels its processes the same way; its workers share one
+# node's GPUs (worker k on cuda:k), unlike Ray's, which each see one GPU as cuda:0
+_VLLM_PROCESS = re.compile(r"^\((?:VllmWorker|Worker(?:_[A-Z]+\d+)*|EngineCore(?:_DP\d+)?|APIServer)"
+                           r"(?: rank=\d+)? pid=\d+\) ")
 _STREAM_TAG = re.compile(r"^\[std(?:out|err)\] ?")
 _TEE = re.compile(r"^\[([A-Za-z_][A-Za-z_-]*?)(\d{1,7})\]:")
 _TEE_HOST = re.compile(r"^\[([A-Za-z0-9][A-Za-z0-9_.-]*):(\d{1,7})\]:")
@@ -83,8 +84,8 @@ _NOT_HOSTS = frozenset(
 _EXCEPTION_NAME = re.compile(r"(?:Error|Exception|Warning|Interrupt|Exit|Failure|Fault)$")
 # a program or source file that names itself before its message (argparse's `train.py: error: ...`,
 # `ProcessGroupNCCL.cpp: ...`), however many ranks repeat it
-_SOURCE_FILE = re.compile(r"\.(?:py|pyx|sh|c|cc|cpp|cu|cuh|h|hpp|rs|go|java|js|ts|lua|pl|rb|jl|yaml|yml|json|toml|txt|log)$",
-                          re.IGNORECASE)
+_SOURCE_FILE = re.compile(
+    r"\.(?:py|pyx|sh|c|cc|cpp|cu|cuh|h|hpp|rs|go|java|js|ts|lua|pl|rb|jl|yaml|yml|json|toml|txt|log)$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
