@@ -378,7 +378,6 @@ def test_ranks_in_different_collectives_at_one_seq_are_a_mismatch(tmp_path):
     assert again["root_cause"]["category"] == "collective_timeout"
 
 
-
 def test_two_ranks_timed_out_at_different_seqs_in_different_ops_are_a_mismatch(tmp_path):
     # sample_logs/public28/torchtune1107_*: rank 1 waits in _ALLGATHER_BASE #313, rank 0 in ALLREDUCE #315
     line = ("[rank{r}]:[E ProcessGroupNCCL.cpp:607] [Rank {r}] Watchdog caught collective operation timeout: "
@@ -394,6 +393,7 @@ def test_two_ranks_timed_out_at_different_seqs_in_different_ops_are_a_mismatch(t
     third = _report(log, line.format(r=1, s=313, op="_ALLGATHER_BASE") + line.format(r=0, s=315, op="ALLREDUCE")
                     + line.format(r=2, s=313, op="_ALLGATHER_BASE"))
     assert third["root_cause"]["category"] == "collective_timeout"
+
 
 def test_a_ctrl_c_while_waiting_is_the_hang_it_stopped(tmp_path):
     # facebookresearch/detectron2#1286: mp.spawn's join sat in select() until the user pressed Ctrl-C
