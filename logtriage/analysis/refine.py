@@ -184,7 +184,7 @@ def store_wait_after_progress(root: RootCause, findings: list[Finding], facts: R
         return root
     waits = [w for w in findings if w.rule.id in STORE_TIMEOUT_RULES]
     live = [w for w in findings if w.is_error and not w.is_teardown]
-    missing = missing_rank_root(waits, live, facts)
+    missing = missing_rank_root(waits, live, facts, findings)
     return replace(missing, rule=rule, reasons=(
         "the store timed out after the run had printed training progress: the process group had formed, so "
         "this was a wait for a peer in a barrier or collective, not a start-up failure",) + missing.reasons)

@@ -10,7 +10,6 @@ only consequences left, collective timeouts point at the rank that is missing fr
 from __future__ import annotations
 
 import re
-
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding

@@ -24,7 +24,9 @@ def named_culprit(live: list[Finding]) -> int | None:
 
 
 def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankFacts,
-                      findings: list[Finding] | None = None) -> RootCause:
+                      findings: list[Finding]) -> RootCause:
+    """`live`: the errors still standing; `findings`: every finding (a flight recorder's dump notice,
+    which is no error, still carries a rank's last enqueued work)."""
     first = earliest(timeouts)
     timed_out = {f.rank for f in timeouts if f.rank is not None}
     # a rank whose wait ended on a peer's closed connection was in the collective too, unless it
@@ -39,7 +41,7 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
     if culprit is not None:
         return RootCause(first.rule, first, culprit, (culprit,), 0.75,
                          (f"a debug report names rank {culprit} as the one that lagged",))
-    short = _enqueued_fewer([*live, *(findings or [])])
+    short = _enqueued_fewer(findings)
     if short is not None:
         rank, count, others = short
         return RootCause(first.rule, first, rank, (rank,), 0.6, (

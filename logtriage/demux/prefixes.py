@@ -120,9 +120,10 @@ class Dialect:
         indent = min(indent, MAX_INDENT)
         if indent:
             lines = [line[indent:] for line in lines]
-        quote_mark = next((mark for mark in _QUOTE_MARKS
-                           if sum(1 for line in lines if _quoted(line, mark)) * 3 >= len(lines) * 2), ">")
-        quoted = len(lines) >= 2 and sum(1 for line in lines if _quoted(line, quote_mark)) * 3 >= len(lines) * 2
+        found = next((mark for mark in _QUOTE_MARKS
+                      if sum(1 for line in lines if _quoted(line, mark)) * 3 >= len(lines) * 2), None)
+        quote_mark = found or ">"
+        quoted = len(lines) >= 2 and found is not None
         if quoted:
             lines = [_unquote(line, quote_mark) for line in lines]
         stamped = sum(1 for line in lines if _COLLECTOR_STAMP.match(line)) * 3 >= len(lines) * 2
