@@ -962,3 +962,20 @@ def test_vllms_own_workers_share_the_node_so_the_oom_device_is_the_rank_but_rays
     assert (rc["category"], rc["rule_id"], rc["rank"]) == ("gpu_oom", "cuda.oom", 1)
     rc = _report(log, text.format(who="RayWorkerWrapper", dev=0))["root_cause"]
     assert (rc["category"], rc["rank"]) == ("gpu_oom", None)
+
+
+def test_an_exception_type_is_read_from_an_error_files_message_and_from_a_code_named_error(tmp_path):
+    # learnables/learn2learn#263 (sample_logs/public34/learn2learn263_*): torchelastic's error
+    # handler logs the error file, its type inside the "message" field
+    log = tmp_path / "json.log"
+    rc = _report(log, "ERROR:torch.distributed.elastic.multiprocessing.errors.error_handler:{\n"
+                      '  "message": {\n'
+                      '    "message": "RuntimeError: Address already in use",\n')["root_cause"]
+    assert (rc["rule_id"], rc["exception_type"]) == ("dist.port_in_use", "RuntimeError")
+    # facebookresearch/lingua (sample_logs/public75/lingua_errors_zoo_*): pynvml names its
+    # errors by code, `NVMLError_NotSupported`
+    log = tmp_path / "nvml.log"
+    rc = _report(log, _traceback("/usr/lib/python3/site-packages/torch/cuda/__init__.py", 1087, "power_draw",
+                                 "return pynvml.nvmlDeviceGetPowerUsage(handle)",
+                                 "pynvml.nvml.NVMLError_NotSupported: Not Supported"))["root_cause"]
+    assert (rc["rule_id"], rc["exception_type"]) == ("cuda.nvml_failure", "pynvml.nvml.NVMLError_NotSupported")

@@ -60,6 +60,10 @@ def mask_numbers(text: str) -> str:
     return _MASK.sub("#", text)
 # pytest's short test summary: `FAILED tests/test_x.py::test_y - RuntimeError: ...`
 _PYTEST_SUMMARY = re.compile(r"^(?:FAILED|ERROR) \S+::\S+ - ")
+# torchelastic's error file, as its error handler logs it: `  "message": "RuntimeError: ...",`
+_ERROR_FILE_MESSAGE = re.compile(r'^\s*"message": "')
+# an exception printed by its repr: `RuntimeError('CUDA error: invalid device ordinal...')`
+_EXCEPTION_REPR = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception))\(['\"]")
 _VLLM_LOGGER = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[?[\w.-]+\.py:\d+\] ")
 
 
@@ -131,14 +135,16 @@ def exception_type_of(text: str) -> str | None:
     also after Markdown emphasis (`**OSError: ...**`), the agent's glog header (`E0422 05:07:49.013000
     204 .../api.py:732] RuntimeError: ...`) or vLLM's logger header (`ERROR 10-14 12:32:47
     multiproc_worker_utils.py:233] torch.OutOfMemoryError: ...`) or in pytest's short summary
-    (`FAILED tests/test_x.py::test_y - RuntimeError: ...`)."""
+    (`FAILED tests/test_x.py::test_y - RuntimeError: ...`), in an error file's `"message"` field, or
+    as the exception's repr (`RuntimeError('...')`)."""
     glog = PY_GLOG.match(text)
     if glog:
         text = glog.group(7)
     else:
-        logger = _VLLM_LOGGER.match(text) or _PYTEST_SUMMARY.match(text)
+        logger = _VLLM_LOGGER.match(text) or _PYTEST_SUMMARY.match(text) or _ERROR_FILE_MESSAGE.match(text)
         text = text[logger.end():] if logger else text
-    m = EXCEPTION_HEAD.match(text.lstrip(" \t").lstrip("*_`"))   # indented: an error file's, in the launcher's summary
+    text = text.lstrip(" \t").lstrip("*_`")   # indented: an error file's, in the launcher's summary
+    m = EXCEPTION_HEAD.match(text) or _EXCEPTION_REPR.match(text)
     if not m:
         return None
     return unglued(m.group(1))

@@ -34,7 +34,9 @@ CHAIN = re.compile(r"^(?:During handling of the above exception, another excepti
 # An exception line's head, its type in group 1 (`NameError: name ...`, `torch.OutOfMemoryError: ...`,
 # a bare `MemoryError`): what closes a traceback, also an error file's in a launcher summary. NCCL's
 # result codes inside a DistBackendError's message (`ncclInternalError: Internal check failed.`) are not.
-EXCEPTION_HEAD = re.compile(r"^(?!nccl[A-Z])((?:[A-Za-z_]\w*\.)*(?:[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)|Exception))(?::|$)")
+# pynvml names its errors by code: `pynvml.nvml.NVMLError_NotSupported: Not Supported`.
+EXCEPTION_HEAD = re.compile(r"^(?!nccl[A-Z])((?:[A-Za-z_]\w*\.)*(?:[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)"
+                            r"|Exception|[A-Za-z_]\w*Error_[A-Z]\w*))(?::|$)")
 EXCEPTION_LINE = re.compile(r"^(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)(?::(?: (?P<message>.*))?)?$")
 CPP_GLOG = re.compile(r"^\[([IWEF])(\d{3,4}) (\d\d:\d\d:\d\d\.\d{3,9})(?: \d+)? ([^ \]]+):(\d+)\] ")
 _CPP_CONT = re.compile(r"^(?:Exception raised from |frame #\d+: |<omitting python frames>|\s)")
