@@ -979,3 +979,18 @@ def test_an_exception_type_is_read_from_an_error_files_message_and_from_a_code_n
                                  "return pynvml.nvmlDeviceGetPowerUsage(handle)",
                                  "pynvml.nvml.NVMLError_NotSupported: Not Supported"))["root_cause"]
     assert (rc["rule_id"], rc["exception_type"]) == ("cuda.nvml_failure", "pynvml.nvml.NVMLError_NotSupported")
+
+
+def test_rays_report_of_an_actor_that_died_in_its_creation_task_yields_to_the_error_it_carries(tmp_path):
+    # gptbert/ai-agent-book-projects (sample_logs/public95/cursor_chat_verl_retool_*): the driver's
+    # ActorDiedError prints the actor's own traceback under it, ending in the real error
+    log = tmp_path / "ray.log"
+    rc = _report(log, _traceback("/root/verl/verl/experimental/agent_loop/agent_loop.py", 846, "generate_sequences",
+                                 "outputs = ray.get(",
+                                 "ray.exceptions.ActorDiedError: The actor died because of an error raised in its "
+                                 "creation task, ray::agent_loop_worker_0:AgentLoopWorker.__init__() (pid=716404)",
+                                 '  File "/root/verl/verl/utils/rollout_trace.py", line 69, in init',
+                                 "    import weave",
+                                 "ModuleNotFoundError: No module named 'weave'"))["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["line"], rc["exception_type"]) == (
+        "python.module_not_found", "environment", 7, "ModuleNotFoundError")

@@ -31,6 +31,9 @@ CASCADE_EXCEPTION_TYPES = frozenset({
     # Spark's wrappers of a Python worker's failure (driver side, JVM side); the worker's own
     # traceback follows in them
     "Py4JJavaError", "PythonException",
+    # Ray's driver-side reports of a remote task's or actor's failure; the remote traceback and
+    # its own exception follow them (or the actor's process died with no Python error at all)
+    "ActorDiedError", "RayActorError", "RayTaskError",
 })
 _SIGNAL_RULES = {"SIGSEGV": "signal.sigsegv", "SIGABRT": "signal.sigabrt", "SIGBUS": "signal.sigbus",
                  "SIGKILL": "signal.sigkill", "SIGTERM": "signal.sigterm"}
