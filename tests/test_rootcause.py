@@ -994,3 +994,18 @@ def test_rays_report_of_an_actor_that_died_in_its_creation_task_yields_to_the_er
                                  "ModuleNotFoundError: No module named 'weave'"))["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["line"], rc["exception_type"]) == (
         "python.module_not_found", "environment", 7, "ModuleNotFoundError")
+
+
+def test_a_bootstrap_root_mismatch_at_one_world_size_is_another_nccl_build_and_at_two_a_launch_mistake(tmp_path):
+    # devopsrustem/slurmv4 (sample_logs/public98/slurmv4_sglang_pd_decode_2node_*): two nodes on
+    # different NCCL builds; the same NCCL on both fixed it
+    failed = "RuntimeError: NCCL error: remote process exited or there was a network error\n"
+    log = tmp_path / "layout.log"
+    rc = _report(log, "node03:2399196:2400932 [0] bootstrap.cc:345 NCCL WARN Bootstrap Root : mismatch in info "
+                      "from procs, nranks 16 vs 16, nroots 1 vs 1, iroot 0 vs 0, offset -340262910 vs 0\n"
+                 + failed)["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["line"]) == ("nccl.version_mismatch", "environment", 1)
+    log = tmp_path / "world.log"
+    rc = _report(log, "node01:4200:4290 [0] bootstrap.cc:335 NCCL WARN Bootstrap Root : mismatch in info from "
+                      "procs, nranks 4 vs 8, nroots 1 vs 1, iroot 0 vs 0, offset 0 vs 0\n" + failed)["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["line"]) == ("nccl.invalid_rank", "launch_usage", 1)

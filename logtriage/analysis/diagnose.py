@@ -24,6 +24,7 @@ from logtriage.analysis.refine import (
     PEER_LEFT_RULES,
     STOPPED_WHILE_WAITING,
     abort_after_dump_signal,
+    bootstrap_layout_mismatch,
     exit_rule,
     hangup_forwarded,
     oom_device_rank,
@@ -80,6 +81,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = stop_for_memory(root, findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
         root = sigkill_on_gpu_job(root, catalog)
+    if root is not None and root.rule.id == "nccl.invalid_rank":
+        root = bootstrap_layout_mismatch(root, catalog)
     if root is not None:
         root = abort_after_dump_signal(checkpoint_io(frame_reading(root, catalog), catalog), findings)
         root = probe_json_without_banner(root, bool(scan.banner_lines), catalog)

@@ -110,6 +110,20 @@ def sigkill_on_gpu_job(root: RootCause, catalog: Catalog) -> RootCause:
     return replace(root, rule=rule, reasons=root.reasons + (reason,), confidence=min(root.confidence, 0.6))
 
 
+def bootstrap_layout_mismatch(root: RootCause, catalog: Catalog) -> RootCause:
+    """NCCL's bootstrap root found a process's info other than its own. Another world size
+    (`nranks 4 vs 8`) is a launch mistake; the same world size with nonsense beside it (`nranks
+    16 vs 16, ... offset -340262910 vs 0`) is a peer whose NCCL build lays that info out
+    otherwise: the nodes run different NCCL versions."""
+    captures = root.finding.captures if root.finding is not None else {}
+    rule = catalog.get("nccl.version_mismatch")
+    if rule is None or not captures.get("nranks") or captures.get("nranks") != captures.get("other_nranks"):
+        return root
+    return replace(root, rule=rule, reasons=root.reasons + (
+        f"the bootstrap root's processes agree on the world size ({captures['nranks']}) but not on the "
+        "rest of their info: a peer's NCCL lays it out otherwise, so the nodes run different NCCL builds",))
+
+
 SIGNAL_EXCEPTION_RULE = "launcher.signal_exception"
 TEARDOWN_RULE = "launcher.sigterm_sent"
 
