@@ -19,6 +19,8 @@ def main(rank: int = -1, world: int = 0) -> None:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     ws = world + 1 if (a.fault == "wrong_world" and rank == a.rank) else world
+    if a.fault == "wrong_port" and rank == a.rank:
+        os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)  # a stale config value
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15), rank=rank, world_size=ws)
     net = nn.Linear(8, 4)
     if a.fault in ("truncated_load", "missing_key"):
@@ -34,6 +36,13 @@ def main(rank: int = -1, world: int = 0) -> None:
             data = open(path, "rb").read()
             open(path, "wb").write(data[: len(data) // 2])  # a copy cut short
         net.load_state_dict(torch.load(path))
+    if a.fault == "weights_only" and rank == a.rank:
+        import argparse as _ap
+        path = f"/tmp/fault5_ckpt_wo_rank{rank}.pt"
+        torch.save({"model": net.state_dict(), "args": _ap.Namespace(lr=0.1)}, path)
+        net.load_state_dict(torch.load(path)["model"])  # weights_only=True by default
+    if a.fault == "init_twice" and rank == a.rank:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15))  # a second setup helper
     model = nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(1, a.steps + 1):
@@ -72,8 +81,18 @@ def main(rank: int = -1, world: int = 0) -> None:
             soft, hard = resource.getrlimit(resource.RLIMIT_AS)
             resource.setrlimit(resource.RLIMIT_AS, (4 << 30, hard))
             buf = bytearray(8 << 30)
+        if hit and a.fault == "destroy_early":
+            dist.destroy_process_group()  # an evaluation helper tears the group down
+        if hit and a.fault == "sigalrm":
+            signal.alarm(1)  # a watchdog left armed; SIGALRM's default action ends the process
+            time.sleep(5)
         x = torch.randn(16, 8)
-        loss = model(x).pow(2).mean()
+        if hit and a.fault == "inplace_grad":
+            h = model(x).sigmoid()
+            h.mul_(2)  # sigmoid's backward needs its output
+            loss = h.sum()
+        else:
+            loss = model(x).pow(2).mean()
         opt.zero_grad(); loss.backward(); opt.step()
         print(f"rank {rank} step {step} loss {loss.item():.4f}", flush=True)
     dist.barrier()
