@@ -90,8 +90,10 @@ class ScanResult:
     block_collectives: dict[int, str] = field(default_factory=dict)   # the c10d call a traceback was in
     block_checkpoint_frames: dict[int, str] = field(default_factory=dict)   # its checkpoint save/load frame
     block_last_frames: dict[int, str] = field(default_factory=dict)   # its innermost frame's function
+    block_last_files: dict[int, str] = field(default_factory=dict)    # that frame's file
     block_broadcast_sources: dict[int, int] = field(default_factory=dict)   # a broadcast's src rank
     block_cause_frames: dict[int, str] = field(default_factory=dict)   # a chain's first exception's frame
+    block_cause_files: dict[int, str] = field(default_factory=dict)    # that frame's file
     block_exception_lines: dict[int, tuple[int, int]] = field(default_factory=dict)  # -> (source, line)
     indexes: list[SourceIndex] = field(default_factory=list)
     input_lines: int = 0
@@ -160,8 +162,10 @@ class LineScanner:
         result.block_collectives.update(tracebacks.collectives)
         result.block_checkpoint_frames.update(tracebacks.checkpoint_frames)
         result.block_last_frames.update(tracebacks.last_frames)
+        result.block_last_files.update(tracebacks.last_files)
         result.block_broadcast_sources.update(tracebacks.broadcast_sources)
         result.block_cause_frames.update(tracebacks.cause_frames)
+        result.block_cause_files.update(tracebacks.cause_files)
         for block_id, line in tracebacks.exception_lines.items():
             result.block_exception_lines[block_id] = (self.source.index, line)
         result.input_lines += self.lines

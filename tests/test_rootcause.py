@@ -1009,3 +1009,21 @@ def test_a_bootstrap_root_mismatch_at_one_world_size_is_another_nccl_build_and_a
     rc = _report(log, "node01:4200:4290 [0] bootstrap.cc:335 NCCL WARN Bootstrap Root : mismatch in info from "
                       "procs, nranks 4 vs 8, nroots 1 vs 1, iroot 0 vs 0, offset 0 vs 0\n" + failed)["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["line"]) == ("nccl.invalid_rank", "launch_usage", 1)
+
+
+def test_a_missing_module_attribute_looked_up_by_an_installed_package_is_a_version_mismatch(tmp_path):
+    # sample_logs/public92/segr1_* (flash-attn calling torch.library.wrap_triton under torch 2.5);
+    # the same AttributeError in the job's own code stays a Python exception
+    missing = "AttributeError: module 'torch.library' has no attribute 'wrap_triton'"
+    log = tmp_path / "package.log"
+    rc = _report(log, _traceback("/envs/seg/lib/python3.11/site-packages/flash_attn/ops/triton/rotary.py", 159,
+                                 "apply_rotary", "@torch.library.wrap_triton", missing))["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["exception_type"]) == (
+        "env.package_api_missing", "environment", "AttributeError")
+    log = tmp_path / "own.log"
+    rc = _report(log, _traceback("/workspace/train.py", 12, "main", "@torch.library.wrap_triton", missing))["root_cause"]
+    assert (rc["rule_id"], rc["category"]) == ("python.exception", "python_exception")
+    log = tmp_path / "itself.log"
+    rc = _report(log, _traceback("/usr/lib/python3/site-packages/torch/_ops.py", 12, "lookup",
+                                 "torch.library.wrap_triton", missing))["root_cause"]
+    assert (rc["rule_id"], rc["category"]) == ("python.exception", "python_exception")

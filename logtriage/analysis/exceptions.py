@@ -26,6 +26,10 @@ FILE_SYSTEM_ERRORS = frozenset({
     "OSError", "IOError", "FileExistsError", "FileNotFoundError", "PermissionError", "IsADirectoryError",
     "NotADirectoryError", "BlockingIOError", "EOFError"})
 GENERIC_RULES = frozenset({"python.exception", "python.file_not_found", "host.filesystem_error"})
+# `module 'torch.library' has no attribute 'wrap_triton'`: the module's top-level package in group 1
+_MODULE_ATTRIBUTE = re.compile(r"module '([A-Za-z_]\w*)[\w.]*' has no attribute '\w+'")
+# a file of an installed package: its top-level package in group 1
+_INSTALLED_PACKAGE = re.compile(r"[/\\](?:site|dist)-packages[/\\]([A-Za-z_]\w*)")
 # a path the error names that is a checkpoint's (`'out/tmp-checkpoint-x' -> 'out/checkpoint-100'`)
 _CHECKPOINT_PATH = re.compile(r"'[^']*(?:checkpoint|ckpt)[^']*'", re.IGNORECASE)
 _MISSING_PATH = re.compile(r"is not a valid (?:directory|file|path)|does not exist|(?:not found|No such file)\b")
@@ -97,6 +101,10 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
         rule, why = catalog.get("cuda.forked_subprocess"), (
             "CUDA's initialization error was raised in a DataLoader worker: workers are forked from a process "
             "that had already initialised CUDA, and a forked child cannot use it")
+    elif kind == "AttributeError" and root.rule.id in GENERIC_RULES and _other_packages_api(f):
+        rule, why = catalog.get("env.package_api_missing"), (
+            f"the missing attribute is looked up in the installed package `{_other_packages_api(f)}`, not in "
+            "the job's own code: that package was written for another version of the module it calls")
     elif root.rule.id == "ckpt.write_failed" and f.last_frame and not f.checkpoint_frame and _DISK_FULL.search(f.text):
         rule, why = catalog.get("host.filesystem_error"), (
             f"the disk filled up in `{f.last_frame}`, outside any checkpoint code (no save frame): another "
@@ -104,6 +112,16 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
     else:
         return root
     return root if rule is None else replace(root, rule=rule, reasons=root.reasons + (why,))
+
+
+def _other_packages_api(f: Finding) -> str:
+    """The installed package whose code looked up a module's missing attribute, when that module
+    belongs to another package ('' otherwise)."""
+    missing = _MODULE_ATTRIBUTE.search(f.text)
+    caller = _INSTALLED_PACKAGE.search(f.last_file)
+    if missing is None or caller is None or caller.group(1) == missing.group(1):
+        return ""
+    return caller.group(1)
 
 
 PROBE_JSON_RULE = "env.probe_json"

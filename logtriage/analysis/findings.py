@@ -88,6 +88,7 @@ class Finding:
     checkpoint_frame: str = ""        # that traceback's checkpoint save/load frame (save_checkpoint)
     last_frame: str = ""              # that traceback's innermost function (where the process was)
     broadcast_src: int | None = None  # the src rank of the broadcast that traceback was in
+    last_file: str = ""               # the file of last_frame (`.../site-packages/flash_attn/...`)
 
     @property
     def role(self) -> Role:
@@ -199,24 +200,24 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
             named = next((hit.captures[k] for k in SELF_RANK_CAPTURES if hit.captures.get(k, "").isdigit()), None)
             if named is not None:
                 rank, how = int(named), "capture"
+        frame, frame_file = _innermost_frame(scan, hit)
         findings.append(Finding(hit.rule, hit.captures, hit.source, hit.line, stream, rank, hit.text,
                                 hit.block_id, hit.seq, stamp, how, scan.block_exceptions.get(hit.block_id, ""),
                                 scan.block_collectives.get(hit.block_id, ""),
-                                scan.block_checkpoint_frames.get(hit.block_id, ""),
-                                _innermost_frame(scan, hit),
-                                scan.block_broadcast_sources.get(hit.block_id)))
+                                scan.block_checkpoint_frames.get(hit.block_id, ""), frame,
+                                scan.block_broadcast_sources.get(hit.block_id), frame_file))
     findings = _best_per_traceback(findings, scan.block_kinds)
     return attribute_by_signal(findings, failures)
 
 
-def _innermost_frame(scan: ScanResult, hit: Hit) -> str:
-    """Where the process was when the exception on this line was raised: the block's innermost
-    frame, or, for the first exception of a chain ("During handling of the above exception"), the
-    innermost frame before the chain."""
+def _innermost_frame(scan: ScanResult, hit: Hit) -> tuple[str, str]:
+    """Where the process was when the exception on this line was raised, (function, file): the
+    block's innermost frame, or, for the first exception of a chain ("During handling of the
+    above exception"), the innermost frame before the chain."""
     cause = scan.block_cause_frames.get(hit.block_id)
     if cause and scan.block_exception_lines.get(hit.block_id) == (hit.source, hit.line):
-        return cause
-    return scan.block_last_frames.get(hit.block_id, "")
+        return cause, scan.block_cause_files.get(hit.block_id, "")
+    return scan.block_last_frames.get(hit.block_id, ""), scan.block_last_files.get(hit.block_id, "")
 
 
 def _passive(rule: Rule) -> bool:

@@ -28,7 +28,7 @@ ACTIVATION_CHECKPOINT = re.compile(
     r"_checkpoint_without_reentrant|gradient_checkpointing|checkpoint_wrapper|checkpoint_activations", re.IGNORECASE)
 # a traceback's frame line: the innermost one says where the process was (waiting, or working);
 # one with at most 4 spaces before it and no `Traceback (...)` above starts a cut traceback
-FRAME = re.compile(r'^(\s*)File "[^"\n]+", line \d+, in (\S+)')
+FRAME = re.compile(r'^(\s*)File "([^"\n]+)", line \d+, in (\S+)')
 LAUNCHER_FRAME = re.compile(
     r'File "[^"]*(?:bin/torchrun|distributed/run\.py|distributed/launch\.py|launcher/api\.py'
     r'|elastic/agent/server/|multiprocessing/spawn\.py"(?:, line \d+, in (?:start_processes|spawn|join)))')
@@ -43,6 +43,7 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
     if "cause_frame" not in state and B.CHAIN.match(text):
         # "During handling of the above exception": the first exception's own innermost frame
         state["cause_frame"] = state.get("last_frame", "")
+        state["cause_file"] = state.get("last_file", "")
     if "src" in text and "File " not in text:
         m = BROADCAST_SOURCE.search(text)
         if m:
@@ -50,7 +51,7 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
     if ", in " in text:
         frame = FRAME.match(text)
         if frame:
-            state["last_frame"] = frame.group(2)
+            state["last_file"], state["last_frame"] = frame.group(2), frame.group(3)
         if "checkpoint" not in state and not ACTIVATION_CHECKPOINT.search(text):
             m = CHECKPOINT_FRAME.search(text)
             if m:
@@ -67,8 +68,10 @@ class TracebackFacts:
     collectives: dict[int, str] = field(default_factory=dict)         # the c10d function it was in
     checkpoint_frames: dict[int, str] = field(default_factory=dict)   # a checkpoint frame
     last_frames: dict[int, str] = field(default_factory=dict)         # its innermost function
+    last_files: dict[int, str] = field(default_factory=dict)          # that function's file
     broadcast_sources: dict[int, int] = field(default_factory=dict)   # a broadcast's src rank
     cause_frames: dict[int, str] = field(default_factory=dict)        # a chain's first exception's frame
+    cause_files: dict[int, str] = field(default_factory=dict)         # that frame's file
     exception_lines: dict[int, int] = field(default_factory=dict)     # its exception line's number
 
     def record(self, block_id: int, state: dict) -> None:
@@ -80,8 +83,10 @@ class TracebackFacts:
             self.checkpoint_frames[block_id] = state["checkpoint"]
         if state.get("last_frame"):
             self.last_frames[block_id] = state["last_frame"]
+            self.last_files[block_id] = state["last_file"]
         if state.get("cause_frame"):
             self.cause_frames[block_id] = state["cause_frame"]
+            self.cause_files[block_id] = state.get("cause_file", "")
         if "broadcast_src" in state and state.get("collective", "").startswith("broadcast"):
             self.broadcast_sources[block_id] = state["broadcast_src"]
         if state.get("exception_line"):
