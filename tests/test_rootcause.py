@@ -1027,3 +1027,48 @@ def test_a_missing_module_attribute_looked_up_by_an_installed_package_is_a_versi
     rc = _report(log, _traceback("/usr/lib/python3/site-packages/torch/_ops.py", 12, "lookup",
                                  "torch.library.wrap_triton", missing))["root_cause"]
     assert (rc["rule_id"], rc["category"]) == ("python.exception", "python_exception")
+
+
+def _gloo_timeout(rank: int) -> str:
+    return (f"[rank{rank}]: Traceback (most recent call last):\n"
+            f'[rank{rank}]:   File "/tmp/job/train.py", line 77, in main\n'
+            f"[rank{rank}]:     loss.backward()\n"
+            f"[rank{rank}]: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] "
+            "Timed out waiting 15000ms for send operation to complete\n")
+
+
+def test_an_unprefixed_error_belongs_to_the_rank_the_others_timeouts_wait_for(tmp_path):
+    # sample_logs/cpu_adhoc/thread_exception_np4_r2_loglevel: a KeyError in a thread of rank 2,
+    # printed without its prefix; ranks 0, 1 and 3 time out in DDP's all-reduce
+    log = tmp_path / "thread.log"
+    rc = _report(log, "".join(f"[rank{r}]: step 1 loss 0.3\n" for r in range(4))
+                 + "Exception in thread prefetch:\n"
+                 + _traceback("/tmp/job/train.py", 55, "prefetch", "box.append(shard['input_ids'])",
+                              "KeyError: 'input_ids'")
+                 + "".join(_gloo_timeout(r) for r in (3, 1, 0)))["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["exception_type"]) == ("python.exception", 2, "KeyError")
+
+
+def test_a_clean_exit_that_leaves_several_ranks_waiting_is_the_rank_that_stopped_early(tmp_path):
+    # sample_logs/cpu_adhoc/early_return_np4_r3: rank 3 returns from main() (exit 0); the three
+    # others lose their peer in the all-reduce
+    closed = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+              "peer [127.0.0.1]:58542. This is typically caused by a remote worker crashing.\n")
+    log = tmp_path / "early.log"
+    rc = _report(log, "".join(f"[rank{r}]: step 2 loss 0.3\n" for r in range(4))
+                 + "".join(f"[rank{r}]: Traceback (most recent call last):\n[rank{r}]: " + closed for r in (0, 2, 1))
+                 + _summary("[{i}]:\n  rank      : {r} (local_rank: {r})\n  exitcode  : 1 (pid: 10{r})\n"
+                            "  error_file: <N/A>\n", (1, 2), 0))["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("gloo.connection_closed", "collective_error", 3)
+
+
+def test_a_destroyed_process_group_on_a_rank_that_trained_is_a_program_bug_not_a_missing_init(tmp_path):
+    # sample_logs/cpu_adhoc/destroy_early_np4_r2_role
+    missing = "ValueError: Default process group has not been initialized, please make sure to call init_process_group."
+    log = tmp_path / "destroyed.log"
+    rc = _report(log, "".join(f"[rank{r}]: rank {r} step 4 loss 0.3\n" for r in range(3))
+                 + f"[rank2]: Traceback (most recent call last):\n[rank2]: {missing}\n")["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.exception", "python_exception", 2)
+    log = tmp_path / "never.log"
+    rc = _report(log, f"[rank2]: Traceback (most recent call last):\n[rank2]: {missing}\n")["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("dist.pg_not_initialized", "launch_usage", 2)

@@ -24,7 +24,6 @@ from logtriage.analysis.refine import (
     PEER_LEFT_RULES,
     STOPPED_WHILE_WAITING,
     abort_after_dump_signal,
-    bootstrap_layout_mismatch,
     exit_rule,
     hangup_forwarded,
     oom_device_rank,
@@ -38,6 +37,7 @@ from logtriage.analysis.refine import (
     unsent_sigterms,
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
+from logtriage.analysis.rule_readings import bootstrap_layout_mismatch, group_destroyed, spawn_report_yields
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
 from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, message_of, output_stopped, stuck_after_warning,
                                         unknown_error_line)
@@ -70,6 +70,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     stream_stats = _merge_stats(scan, keys)
     facts = _rank_facts(stream_stats, failures, findings, scan.world_size)
     root = choose_root(findings, facts)
+    if root is not None:
+        root = spawn_report_yields(root, findings)
     if root is not None and root.rule.id in PEER_LEFT_RULES:
         root = peer_that_left(root, findings, facts, catalog)
     if root is not None and root.rule.role is Role.CASCADE_CANDIDATE:
@@ -88,6 +90,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = probe_json_without_banner(root, bool(scan.banner_lines), catalog)
         root = different_collectives_at_one_seq(root, findings, catalog)
         root = store_wait_after_progress(root, findings, facts, _first_progress(stream_stats), catalog)
+        root = group_destroyed(root, {k.rank for k, s in stream_stats.items()
+                                      if k.kind is StreamKind.RANK and s.last_step is not None}, catalog)
     if root is None:
         root = hangup_forwarded(findings, catalog)
     if root is None:

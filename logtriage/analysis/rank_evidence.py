@@ -5,6 +5,8 @@ the only rank whose own lines are in an excerpt."""
 
 from __future__ import annotations
 
+import re
+
 from logtriage.analysis.childfailed import is_own_failure
 from logtriage.analysis.findings import Finding, short_type
 from logtriage.analysis.nccl_ranks import NCCL_PREFIX
@@ -40,6 +42,32 @@ def rank_the_launcher_saw_fail(live: list[Finding]) -> int | None:
     if not _one_srun_task_failed(live):
         exits = [f for f in exits if f.rule.id != "sched.srun_task_exit"]
     return min(exits, key=lambda f: f.seq).rank if exits else None
+
+
+def rank_the_timeouts_wait_for(first: Finding, live: list[Finding], facts: RankFacts) -> int | None:
+    """An unattributed error (an exception in a thread, a c10d connect error, printed without the
+    rank's prefix) while the other ranks waited: it belongs to the rank they waited for, when that
+    rank says nothing else of its own: the one rank that did not time out in their collective
+    (its thread died, so it stalled), or the one rank whose address they waited for in the store
+    (`keys: /default_pg/0//cpu//0/2`: it never reached the store). The launcher then saw a
+    waiting rank fail first."""
+    if first.category in (Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR):
+        return None
+    timed_out = {f.rank for f in live if f.rank is not None and f.category is Category.COLLECTIVE_TIMEOUT}
+    missing = facts.known - timed_out
+    awaited = {int(m.group(1)) for f in live if (m := _AWAITED_RANK.search(f.captures.get("keys", "")))}
+    if len(awaited) == 1 and awaited <= facts.known:
+        candidate = next(iter(awaited))
+    elif len(timed_out) >= 2 and len(missing) == 1:   # one waiting rank alone says little
+        candidate = next(iter(missing))
+    else:
+        return None
+    speaks = any(f.rank == candidate and f.rule.id not in _LAUNCHER_EXITS and not f.is_teardown for f in live)
+    return None if speaks else candidate
+
+
+# the store key of a rank's address that gloo's connectFullMesh waits for: `/default_pg/0//cpu//0/2`
+_AWAITED_RANK = re.compile(r"//(?:cpu|cuda)//\d+/(\d+)$")
 
 
 def _one_srun_task_failed(live: list[Finding]) -> bool:

@@ -25,17 +25,25 @@ def peer_that_left(root: RootCause, findings: list[Finding], facts: RankFacts, c
     """Only consequences were found, all of them a rank's peer closing or resetting the
     connection: when exactly one known rank reported no error at all, that rank left first,
     without a message (an exit in its own code, a process that ended early), and the failure
-    started there. A silent peer that exited cleanly is not the culprit: the rank left waiting
-    in a collective the others never called is."""
+    started there. A silent peer that exited cleanly left one waiting rank alone in a collective
+    the others never called: that rank's fault; but when it left two or more ranks waiting, it
+    is the odd one out that stopped early (an early stop on one rank, a shorter data shard)."""
     live = [f for f in findings if f.is_error and not f.is_teardown and f.rank is not None]
     if root.rule.role is not Role.CASCADE_CANDIDATE or any(
             f.role is not Role.EITHER and f.rule.id not in PEER_LEFT_RULES and f.stream.kind is StreamKind.RANK
             for f in live):
         return root
     silent = facts.known - {f.rank for f in live}
-    if len(silent) != 1 or silent <= facts.completed:
-        return root     # a peer that finished cleanly left a rank alone in a collective: that rank's fault
+    if len(silent) != 1:
+        return root
     peer = next(iter(silent))
+    if silent <= facts.completed:
+        left = sorted({f.rank for f in live if f.rule.id in PEER_LEFT_RULES})
+        if len(left) < 2:
+            return root     # a peer that finished cleanly left a rank alone in a collective: that rank's fault
+        return replace(root, rank=peer, ranks=(peer,), confidence=min(root.confidence, 0.4), reasons=root.reasons + (
+            f"rank {peer} exited cleanly while ranks {', '.join(map(str, left))} were still in a collective with "
+            f"it: it stopped early (a stop condition or a data shard of its own), and they lost their peer",))
     rule = exit_rule(catalog)
     return RootCause(rule, None, peer, (peer,), 0.35, (
         f"rank {peer} printed no error, and every error found is another rank's peer connection "
@@ -110,20 +118,6 @@ def sigkill_on_gpu_job(root: RootCause, catalog: Catalog) -> RootCause:
     return replace(root, rule=rule, reasons=root.reasons + (reason,), confidence=min(root.confidence, 0.6))
 
 
-def bootstrap_layout_mismatch(root: RootCause, catalog: Catalog) -> RootCause:
-    """NCCL's bootstrap root found a process's info other than its own. Another world size
-    (`nranks 4 vs 8`) is a launch mistake; the same world size with nonsense beside it (`nranks
-    16 vs 16, ... offset -340262910 vs 0`) is a peer whose NCCL build lays that info out
-    otherwise: the nodes run different NCCL versions."""
-    captures = root.finding.captures if root.finding is not None else {}
-    rule = catalog.get("nccl.version_mismatch")
-    if rule is None or not captures.get("nranks") or captures.get("nranks") != captures.get("other_nranks"):
-        return root
-    return replace(root, rule=rule, reasons=root.reasons + (
-        f"the bootstrap root's processes agree on the world size ({captures['nranks']}) but not on the "
-        "rest of their info: a peer's NCCL lays it out otherwise, so the nodes run different NCCL builds",))
-
-
 SIGNAL_EXCEPTION_RULE = "launcher.signal_exception"
 TEARDOWN_RULE = "launcher.sigterm_sent"
 
@@ -196,10 +190,13 @@ def store_wait_after_progress(root: RootCause, findings: list[Finding], facts: R
     rule = catalog.get(STORE_WAIT_IN_COLLECTIVE)
     if rule is None:
         return root
-    waits = [w for w in findings if w.rule.id in STORE_TIMEOUT_RULES]
     live = [w for w in findings if w.is_error and not w.is_teardown]
+    # the others' collective timeouts are waits too (a rank in the store waiting for a peer of its
+    # send, the rest in their all-reduce waiting for it)
+    waits = [w for w in findings if w.rule.id in STORE_TIMEOUT_RULES
+             or (w in live and w.category is Category.COLLECTIVE_TIMEOUT and w.rank is not None)]
     missing = missing_rank_root(waits, live, facts, findings)
-    return replace(missing, rule=rule, reasons=(
+    return replace(missing, rule=rule, finding=f, reasons=(
         "the store timed out after the run had printed training progress: the process group had formed, so "
         "this was a wait for a peer in a barrier or collective, not a start-up failure",) + missing.reasons)
 

@@ -15,7 +15,7 @@ from dataclasses import replace
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.rank_evidence import (all_exited_alike, lone_speaker, mismatch_odd_one_out, missing_from_barrier,
                                               rank_from_exit_codes, rank_reporting_the_same,
-                                              rank_the_launcher_saw_fail, refine_rank)
+                                              rank_the_launcher_saw_fail, rank_the_timeouts_wait_for, refine_rank)
 from logtriage.analysis.roots import ChainLink, ChainRole, RankFacts, RootCause, earliest
 from logtriage.analysis.timeouts import missing_rank_root, named_culprit
 from logtriage.analysis.timestamps import clearly_before
@@ -225,6 +225,9 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
     elif rank is None:
         for find, why in ((lambda: rank_reporting_the_same(first, live),
                            "the line carries no rank; rank {} reports the same kind of error"),
+                          (lambda: rank_the_timeouts_wait_for(first, live, facts),
+                           "the line carries no rank; every other rank timed out in a collective, waiting "
+                           "for rank {}"),
                           (lambda: rank_the_launcher_saw_fail(live),
                            "the line carries no rank; the launcher saw rank {} fail first"),
                           (lambda: rank_from_exit_codes(facts),

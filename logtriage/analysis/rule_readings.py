@@ -1,0 +1,64 @@
+"""Second readings of one rule's finding, from the facts beside it: mp.spawn's report of a child
+yields to the child's own error under it; NCCL's bootstrap root disagreeing with a peer at one
+world size is another NCCL build; a process group "not initialized" on a rank that trained with
+the others was destroyed, not never created."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from logtriage.analysis.findings import Finding
+from logtriage.analysis.roots import RootCause
+from logtriage.catalog.loader import Catalog
+from logtriage.rank_ranges import ranges
+
+SPAWN_REPORT_RULE = "launcher.spawn_child_error"
+
+
+def spawn_report_yields(root: RootCause, findings: list[Finding]) -> RootCause:
+    """mp.spawn's `-- Process N terminated with the following error:` heads the child's own
+    traceback; when only consequences were found, the child's own error under it (a peer's closed
+    connection, a timeout) says more than the header, and keeps the header's rank."""
+    head = root.finding
+    if root.rule.id != SPAWN_REPORT_RULE or head is None:
+        return root
+    own = next((f for f in findings if f.seq > head.seq and f.is_error and not f.is_teardown
+                and f.source == head.source and f.rank == head.rank), None)
+    if own is None or own.rule.id == SPAWN_REPORT_RULE:
+        return root
+    return RootCause(own.rule, own, root.rank, root.ranks, root.confidence, root.reasons + (
+        f"the child's own error under mp.spawn's report of process {root.rank}",))
+
+
+def bootstrap_layout_mismatch(root: RootCause, catalog: Catalog) -> RootCause:
+    """NCCL's bootstrap root found a process's info other than its own. Another world size
+    (`nranks 4 vs 8`) is a launch mistake; the same world size with nonsense beside it (`nranks
+    16 vs 16, ... offset -340262910 vs 0`) is a peer whose NCCL build lays that info out
+    otherwise: the nodes run different NCCL versions."""
+    captures = root.finding.captures if root.finding is not None else {}
+    rule = catalog.get("nccl.version_mismatch")
+    if rule is None or not captures.get("nranks") or captures.get("nranks") != captures.get("other_nranks"):
+        return root
+    return replace(root, rule=rule, reasons=root.reasons + (
+        f"the bootstrap root's processes agree on the world size ({captures['nranks']}) but not on the "
+        "rest of their info: a peer's NCCL lays it out otherwise, so the nodes run different NCCL builds",))
+
+
+PG_NOT_INITIALIZED = "dist.pg_not_initialized"
+
+
+def group_destroyed(root: RootCause, trained: set[int], catalog: Catalog) -> RootCause:
+    """`Default process group has not been initialized` on a rank that trained together with other
+    ranks (`trained`: the ranks that printed training progress): the group existed, so the program
+    destroyed it and went on calling collectives (destroy_process_group before a final barrier, a
+    cleanup hook run early), a bug in the program's order, not a launch without init_process_group.
+    (A rank that never called init_process_group leaves the others waiting at start-up, before any
+    progress; one process trained alone is a run without a launcher.)"""
+    if root.rule.id != PG_NOT_INITIALIZED or root.rank not in trained or len(trained) < 2:
+        return root
+    rule = catalog.get("python.exception")
+    if rule is None:
+        return root
+    return replace(root, rule=rule, reasons=root.reasons + (
+        f"rank {root.rank} had trained together with ranks {ranges(sorted(trained - {root.rank}), limit=8)}: the "
+        "process group existed and was destroyed before this call (destroy_process_group too early)",))
