@@ -37,7 +37,8 @@ from logtriage.analysis.refine import (
     unsent_sigterms,
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
-from logtriage.analysis.rule_readings import bootstrap_layout_mismatch, group_destroyed, spawn_report_yields
+from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, group_destroyed, spawn_report_yields,
+                                              timer_reaped)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
 from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, message_of, output_stopped, stuck_after_warning,
                                         unknown_error_line)
@@ -81,6 +82,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = oom_device_rank(root, scan.multi_node or any(k.host for k in keys), ray)
     if root is not None and root.rule.category is Category.EXTERNAL_STOP:
         root = stop_for_memory(root, findings)
+    if root is not None:
+        root = timer_reaped(root, findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
         root = sigkill_on_gpu_job(root, catalog)
     if root is not None and root.rule.id == "nccl.invalid_rank":

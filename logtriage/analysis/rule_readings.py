@@ -1,7 +1,8 @@
 """Second readings of one rule's finding, from the facts beside it: mp.spawn's report of a child
 yields to the child's own error under it; NCCL's bootstrap root disagreeing with a peer at one
 world size is another NCCL build; a process group "not initialized" on a rank that trained with
-the others was destroyed, not never created."""
+the others was destroyed, not never created; a worker killed by SIGKILL after torchelastic's
+timer reaped it ran out its timed block (a hang), not out of memory."""
 
 from __future__ import annotations
 
@@ -62,3 +63,22 @@ def group_destroyed(root: RootCause, trained: set[int], catalog: Catalog) -> Roo
     return replace(root, rule=rule, reasons=root.reasons + (
         f"rank {root.rank} had trained together with ranks {ranges(sorted(trained - {root.rank}), limit=8)}: the "
         "process group existed and was destroyed before this call (destroy_process_group too early)",))
+
+
+TIMER_REAPED_RULE = "hang.elastic_timer_expired"
+
+
+def timer_reaped(root: RootCause, findings: list[Finding]) -> RootCause:
+    """A worker's SIGKILL that torchelastic's expiration timer sent: the timer server logs (at INFO
+    level) `Reaping worker_pid=[N]. Expired timers: [...]` before it kills the worker, so the
+    worker's timed block (a step) hung or crawled."""
+    if root.rule.id != "signal.sigkill":
+        return root
+    reaps = [f for f in findings if f.rule.id == TIMER_REAPED_RULE]
+    pid = root.finding.captures.get("pid") if root.finding is not None else None
+    reap = next((f for f in reaps if f.captures.get("pid") == pid), reaps[0] if len(reaps) == 1 else None)
+    if reap is None:
+        return root
+    return RootCause(reap.rule, reap, root.rank, root.ranks, 0.7, root.reasons + (
+        f"torchelastic's timer reaped the worker (timers {reap.captures.get('timers', '?')} expired) and sent the "
+        "SIGKILL: its timed block ran too long",))
