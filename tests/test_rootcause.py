@@ -1072,3 +1072,14 @@ def test_a_destroyed_process_group_on_a_rank_that_trained_is_a_program_bug_not_a
     log = tmp_path / "never.log"
     rc = _report(log, f"[rank2]: Traceback (most recent call last):\n[rank2]: {missing}\n")["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("dist.pg_not_initialized", "launch_usage", 2)
+
+
+def test_a_worker_sigkill_sent_by_torchelastics_timer_is_a_hang_not_the_oom_killer(tmp_path):
+    # torch/distributed/elastic/timer/file_based_local_timer.py logs the reaping at INFO level
+    log = tmp_path / "timer.log"
+    rc = _report(log, "[rank1]: step 1 loss 0.3\n[rank0]: step 1 loss 0.3\n"
+                      "I1201 10:00:00.000000 1234 torch/distributed/elastic/timer/file_based_local_timer.py:321] "
+                      "Reaping worker_pid=[1235]. Expired timers: ['train_step']\n"
+                      "E1201 10:00:01.100000 1233 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+                      "(exitcode: -9) local_rank: 1 (pid: 1235) of binary: /usr/bin/python\n")["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == ("hang.elastic_timer_expired", "hang", 1, 3)
