@@ -194,7 +194,8 @@ def store_wait_after_progress(root: RootCause, findings: list[Finding], facts: R
     # the others' collective timeouts are waits too (a rank in the store waiting for a peer of its
     # send, the rest in their all-reduce waiting for it)
     waits = [w for w in findings if w.rule.id in STORE_TIMEOUT_RULES
-             or (w in live and w.category is Category.COLLECTIVE_TIMEOUT and w.rank is not None)]
+             or (w.is_error and not w.is_teardown and w.category is Category.COLLECTIVE_TIMEOUT
+                 and w.rank is not None)]
     missing = missing_rank_root(waits, live, facts, findings)
     return replace(missing, rule=rule, finding=f, reasons=(
         "the store timed out after the run had printed training progress: the process group had formed, so "

@@ -226,8 +226,8 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
         for find, why in ((lambda: rank_reporting_the_same(first, live),
                            "the line carries no rank; rank {} reports the same kind of error"),
                           (lambda: rank_the_timeouts_wait_for(first, live, facts),
-                           "the line carries no rank; every other rank timed out in a collective, waiting "
-                           "for rank {}"),
+                           "the line carries no rank; the other ranks waited for rank {} (in their collective, "
+                           "or for its address in the store), which says nothing of its own"),
                           (lambda: rank_the_launcher_saw_fail(live),
                            "the line carries no rank; the launcher saw rank {} fail first"),
                           (lambda: rank_from_exit_codes(facts),
