@@ -33,11 +33,11 @@ def evaluate(model, rank):
 def main(rank: int = -1, world: int = 0) -> None:
     if rank >= 0:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-        if a.fault == "bad_host" and rank == a.rank:
-            os.environ["MASTER_ADDR"] = "trainer-master-0.cluster.internal"  # a stale host name
-        else:
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
     rank = int(os.environ["RANK"])
+    # the faulty rank reads a stale host name from its config (mp.spawn and torchrun alike)
+    if a.fault == "bad_host" and rank == a.rank:
+        os.environ["MASTER_ADDR"] = "trainer-master-0.cluster.internal"  # a stale host name
     world = int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=a.pg_timeout), rank=rank, world_size=world)
