@@ -38,7 +38,7 @@ from logtriage.analysis.refine import (
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
 from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, group_destroyed, spawn_report_yields,
-                                              timer_reaped)
+                                              timer_reaped, unresolved_host)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
 from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, message_of, output_stopped, stuck_after_warning,
                                         unknown_error_line)
@@ -86,6 +86,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = timer_reaped(root, findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
         root = sigkill_on_gpu_job(root, catalog)
+    if root is not None:
+        root = unresolved_host(root, findings)
     if root is not None and root.rule.id == "nccl.invalid_rank":
         root = bootstrap_layout_mismatch(root, catalog)
     if root is not None:

@@ -2,10 +2,12 @@
 yields to the child's own error under it; NCCL's bootstrap root disagreeing with a peer at one
 world size is another NCCL build; a process group "not initialized" on a rank that trained with
 the others was destroyed, not never created; a worker killed by SIGKILL after torchelastic's
-timer reaped it ran out its timed block (a hang), not out of memory."""
+timer reaped it ran out its timed block (a hang), not out of memory; a store connect that timed
+out on a host name whose address could not be resolved failed for that reason."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
@@ -82,3 +84,27 @@ def timer_reaped(root: RootCause, findings: list[Finding]) -> RootCause:
     return RootCause(reap.rule, reap, root.rank, root.ranks, 0.7, root.reasons + (
         f"torchelastic's timer reaped the worker (timers {reap.captures.get('timers', '?')} expired) and sent the "
         "SIGKILL: its timed block ran too long",))
+
+
+CONNECT_RULES = frozenset({"dist.store_connect_timeout", "dist.store_connect_failed"})
+NAME_RESOLUTION_RULE = "dist.name_resolution"
+# the host a c10d client tried: `... while trying to connect to (trainer-master-0, 29631).`
+_CONNECT_HOST = re.compile(r"connect to [(\[]([^\s,()\[\]]+)")
+
+
+def unresolved_host(root: RootCause, findings: list[Finding]) -> RootCause:
+    """A store connect that timed out (or failed) to a host name that c10d had already warned it
+    could not resolve (`The IPv6 network addresses of (host, port) cannot be retrieved (gai error:
+    -2 - Name or service not known)`, a warning c10d retries past): the name does not resolve, so
+    the connect could never succeed."""
+    if root.rule.id not in CONNECT_RULES or root.finding is None:
+        return root
+    m = _CONNECT_HOST.search(root.finding.text)
+    host = m.group(1) if m else ""
+    if not host or host[0].isdigit():
+        return root
+    warned = next((f for f in findings if f.rule.id == NAME_RESOLUTION_RULE and host in f.text), None)
+    if warned is None:
+        return root
+    return RootCause(warned.rule, warned, root.rank, root.ranks, root.confidence, root.reasons + (
+        f"the store connect to `{host}` failed after c10d had warned that the name does not resolve",))
