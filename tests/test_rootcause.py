@@ -1083,3 +1083,14 @@ def test_a_worker_sigkill_sent_by_torchelastics_timer_is_a_hang_not_the_oom_kill
                       "E1201 10:00:01.100000 1233 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
                       "(exitcode: -9) local_rank: 1 (pid: 1235) of binary: /usr/bin/python\n")["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == ("hang.elastic_timer_expired", "hang", 1, 3)
+
+
+def test_a_store_connect_that_timed_out_on_a_host_c10d_could_not_resolve_is_name_resolution(tmp_path):
+    # sample_logs/cpu_adhoc/bad_host_np4_r3_runmodule: c10d warns and retries, then times out
+    host = "trainer-master-0.cluster.internal"
+    log = tmp_path / "host.log"
+    rc = _report(log, f"[rank3]:[W1201 09:27:16.390007199 socket.cpp:764] [c10d] The IPv6 network addresses of "
+                      f"({host}, 29631) cannot be retrieved (gai error: -2 - Name or service not known).\n"
+                      f"[rank3]:[E1201 09:27:29.450014075 socket.cpp:1028] [c10d] The client socket has timed out "
+                      f"after 15000ms while trying to connect to ({host}, 29631).\n")["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("dist.name_resolution", "rendezvous", 3)
