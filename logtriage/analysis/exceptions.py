@@ -101,9 +101,9 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
         rule, why = catalog.get("cuda.forked_subprocess"), (
             "CUDA's initialization error was raised in a DataLoader worker: workers are forked from a process "
             "that had already initialised CUDA, and a forked child cannot use it")
-    elif kind == "AttributeError" and root.rule.id in GENERIC_RULES and _other_packages_api(f):
+    elif kind == "AttributeError" and root.rule.id in GENERIC_RULES and (caller := _other_packages_api(f)):
         rule, why = catalog.get("env.package_api_missing"), (
-            f"the missing attribute is looked up in the installed package `{_other_packages_api(f)}`, not in "
+            f"the missing attribute is looked up in the installed package `{caller}`, not in "
             "the job's own code: that package was written for another version of the module it calls")
     elif root.rule.id == "ckpt.write_failed" and f.last_frame and not f.checkpoint_frame and _DISK_FULL.search(f.text):
         rule, why = catalog.get("host.filesystem_error"), (

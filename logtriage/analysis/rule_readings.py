@@ -7,7 +7,6 @@ out on a host name whose address could not be resolved failed for that reason.""
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
@@ -88,8 +87,6 @@ def timer_reaped(root: RootCause, findings: list[Finding]) -> RootCause:
 
 CONNECT_RULES = frozenset({"dist.store_connect_timeout", "dist.store_connect_failed"})
 NAME_RESOLUTION_RULE = "dist.name_resolution"
-# the host a c10d client tried: `... while trying to connect to (trainer-master-0, 29631).`
-_CONNECT_HOST = re.compile(r"connect to [(\[]([^\s,()\[\]]+)")
 
 
 def unresolved_host(root: RootCause, findings: list[Finding]) -> RootCause:
@@ -99,8 +96,7 @@ def unresolved_host(root: RootCause, findings: list[Finding]) -> RootCause:
     the connect could never succeed."""
     if root.rule.id not in CONNECT_RULES or root.finding is None:
         return root
-    m = _CONNECT_HOST.search(root.finding.text)
-    host = m.group(1) if m else ""
+    host = root.finding.captures.get("host", "")   # the connect rules capture the host they tried
     if not host or host[0].isdigit():
         return root
     warned = next((f for f in findings if f.rule.id == NAME_RESOLUTION_RULE and host in f.text), None)
