@@ -36,7 +36,7 @@ def main(rank: int = -1, world: int = 0) -> None:
         if rank == a.rank:
             os.environ["CXX"] = "/opt/toolchain/bin/g++"  # this rank's image points at a compiler it lacks
         net = torch.compile(net)
-    model = nn.parallel.DistributedDataParallel(net)
+    model = nn.parallel.DistributedDataParallel(net) if a.fault != "fsdp_frozen" else __import__("fault7_fsdp").wrap(net, rank, a.rank)
     if a.fault == "zero_params":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         params = list(model.parameters())
