@@ -36,7 +36,8 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
     waited_steps = [facts.last_step[r] for r in timed_out if r in facts.last_step]
     ahead = {r for r in peer_closed if waited_steps and facts.last_step.get(r, -1) > max(waited_steps)}
     in_collective = timed_out | (peer_closed - ahead)
-    missing = sorted(facts.known - in_collective)
+    hidden = unseen_ranks(facts)
+    missing = sorted(facts.known - in_collective - hidden)
     culprit = named_culprit(live)
     if culprit is not None:
         return RootCause(first.rule, first, culprit, (culprit,), 0.75,
@@ -74,6 +75,11 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
         return RootCause(first.rule, first, 0 if 0 in missing else None, tuple(missing), 0.5, tuple(reasons))
     if len(timed_out) == 1:
         only = next(iter(timed_out))
+        if hidden:
+            return RootCause(first.rule, first, only, (only,), 0.45, (
+                f"rank {only} is the only rank that timed out; ranks {ranges(sorted(hidden), limit=8)} failed "
+                "without a line of their own in this log (their output was filtered or redirected), so they "
+                "cannot be read as missing from the collective",))
         return RootCause(first.rule, first, only, (only,), 0.4, (
             f"rank {only} is the only rank in this log, and it timed out in a collective",))
     odd = _odd_collective(timeouts)
@@ -88,6 +94,16 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
             f"every rank timed out; rank {behind} was behind the others (lowest last step)",))
     return RootCause(first.rule, first, None, tuple(sorted(timed_out)), 0.35,
                      ("every rank timed out and nothing in the log tells them apart",))
+
+
+def unseen_ranks(facts: RankFacts) -> frozenset[int]:
+    """Ranks whose output the log does not hold: silent ranks, when one of them exited with an
+    error code of its own (it raised, yet printed no traceback here: `--local-ranks-filter`,
+    `--redirects`, output kept in per-rank files). Such a rank may have waited like the others."""
+    silent = facts.known - facts.speaking
+    if not facts.speaking or not any(0 < facts.exit_codes.get(r, 0) < 128 for r in silent):
+        return frozenset()
+    return frozenset(silent)
 
 
 def _enqueued_fewer(findings: list[Finding]) -> tuple[int, int, int] | None:
