@@ -1094,3 +1094,22 @@ def test_a_store_connect_that_timed_out_on_a_host_c10d_could_not_resolve_is_name
                       f"[rank3]:[E1201 09:27:29.450014075 socket.cpp:1028] [c10d] The client socket has timed out "
                       f"after 15000ms while trying to connect to ({host}, 29631).\n")["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("dist.name_resolution", "rendezvous", 3)
+
+
+def test_silent_ranks_that_exited_with_their_own_error_are_not_missing_from_the_collective(tmp_path):
+    # sample_logs/cpu_adhoc/recv_never_np5_r4_filter: --local-ranks-filter 0,4 hides ranks 1-3;
+    # the summary says ranks 1 and 2 exited 1, so their silence is the filter, not absence
+    closed = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+              "peer [127.0.0.1]:21683. This is typically caused by a remote worker crashing.\n")
+    entry = "[{i}]:\n  rank      : {r} (local_rank: {r})\n  exitcode  : 1 (pid: 10{r})\n  error_file: <N/A>\n"
+    body = ("".join(f"rank {r} step 2 loss 0.3\n" for r in (4, 0))
+            + "[rank0]: Traceback (most recent call last):\n[rank0]: " + closed + _gloo_timeout(4))
+    log = tmp_path / "filtered.log"
+    rc = _report(log, body + _summary(entry, (1, 2, 4), 0))["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("gloo.timeout", "collective_timeout", 4)
+    # without the summary's word that they failed on their own, silent ranks stay the missing ones
+    log = tmp_path / "absent.log"
+    rc = _report(log, "".join(f"[rank{r}]: step 2 loss 0.3\n" for r in (0, 1, 2))
+                 + "".join(_gloo_timeout(r) for r in (0, 1, 2))
+                 + _summary(entry.replace("exitcode  : 1", "exitcode  : -15"), (3,), 0))["root_cause"]
+    assert (rc["category"], rc["rank"]) == ("collective_timeout", 3)
