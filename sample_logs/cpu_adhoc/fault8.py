@@ -70,9 +70,9 @@ def main(rank: int = -1, world: int = 0) -> None:
             dist.destroy_process_group()  # "switch to the eval group" on a port of its own
             os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 1)
             dist.init_process_group("gloo", timeout=TIMEOUT, rank=rank, world_size=world)
-        if step == 3 and a.fault == "reduce_avg":
+        if step == 3 and a.fault in ("reduce_avg", "premul_sum"):
             t = torch.ones(4)
-            dist.all_reduce(t, op=dist.ReduceOp.AVG if rank == a.rank else dist.ReduceOp.SUM)
+            dist.all_reduce(t, op=(dist.ReduceOp.AVG if a.fault == "reduce_avg" else dist._make_nccl_premul_sum(0.5)) if rank == a.rank else dist.ReduceOp.SUM)
         if hit and a.fault == "sigusr1_self":
             os.kill(os.getpid(), signal.SIGUSR1)  # a profiler hook that dumps on SIGUSR1, not installed here
         if hit and a.fault == "sighup_self":
