@@ -1113,3 +1113,21 @@ def test_silent_ranks_that_exited_with_their_own_error_are_not_missing_from_the_
                  + "".join(_gloo_timeout(r) for r in (0, 1, 2))
                  + _summary(entry.replace("exitcode  : 1", "exitcode  : -15"), (3,), 0))["root_cause"]
     assert (rc["category"], rc["rank"]) == ("collective_timeout", 3)
+
+
+def test_a_cuda_oom_on_a_gpu_that_the_jobs_own_ranks_fill_is_a_device_assignment(tmp_path):
+    # sample_logs/public105/voyager17_*: every rank's pipeline offloads to cuda:0; the OOM lists
+    # four neighbouring PIDs holding GiBs. Stray contexts of a few hundred MiB stay the OOM.
+    oom = ("[rank2]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 72.00 MiB. GPU 0 has a total "
+           "capacity of 47.53 GiB of which 46.69 MiB is free. {procs}Of the allocated memory 1.55 GiB is "
+           "allocated by PyTorch\n")
+    held = "".join(f"Process 30553{p} has {m} memory in use. " for p, m in ((7, "1.81 GiB"), (6, "2.76 GiB"),
+                                                                          (8, "1.95 GiB"), (5, "40.95 GiB")))
+    ranks = "".join(f"[rank{r}]: step 0 loading\n" for r in range(4))
+    log = tmp_path / "shared.log"
+    rc = _report(log, ranks + oom.format(procs=held))["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("cuda.ranks_share_gpu", "device_assignment", 2)
+    contexts = "".join(f"Process 1830{p} has 540.00 MiB memory in use. " for p in range(4))
+    rc = _report(log, ranks + oom.format(procs="Including non-PyTorch memory, this process has 45.45 GiB memory "
+                                               "in use. " + contexts))["root_cause"]
+    assert (rc["rule_id"], rc["category"]) == ("cuda.oom", "gpu_oom")

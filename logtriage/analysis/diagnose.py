@@ -37,8 +37,8 @@ from logtriage.analysis.refine import (
     unsent_sigterms,
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
-from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, group_destroyed, spawn_report_yields,
-                                              timer_reaped, unresolved_host)
+from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, group_destroyed, oom_on_shared_gpu,
+                                              spawn_report_yields, timer_reaped, unresolved_host)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
 from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, message_of, output_stopped, stuck_after_warning,
                                         unknown_error_line)
@@ -80,6 +80,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is not None:
         ray = scan.facts.ray_workers or any(".ray_" in f.rule.id for f in findings)   # Ray: a GPU per worker
         root = oom_device_rank(root, scan.multi_node or any(k.host for k in keys), ray)
+        root = oom_on_shared_gpu(root, len(facts.known), catalog)
     if root is not None and root.rule.category is Category.EXTERNAL_STOP:
         root = stop_for_memory(root, findings)
     if root is not None:

@@ -7,6 +7,7 @@ out on a host name whose address could not be resolved failed for that reason.""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
@@ -104,3 +105,26 @@ def unresolved_host(root: RootCause, findings: list[Finding]) -> RootCause:
         return root
     return RootCause(warned.rule, warned, root.rank, root.ranks, root.confidence, root.reasons + (
         f"the store connect to `{host}` failed after c10d had warned that the name does not resolve",))
+
+
+SHARED_GPU_RULE = "cuda.ranks_share_gpu"
+OOM_HOLDER = re.compile(r"Process (\d+) has ([\d.]+) ([KMGT]iB|bytes) memory in use")
+_UNIT = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+WORKING_SET = 2**30   # a rank's model and activations, not a stray CUDA context (300-600 MiB)
+
+
+def oom_on_shared_gpu(root: RootCause, ranks: int, catalog: Catalog) -> RootCause:
+    """A CUDA OOM whose message lists, on the failing GPU, two or more processes with neighbouring
+    PIDs that each hold a working set (a GiB or more): workers one launcher started together, so
+    the job's own ranks share that GPU. Other ranks' small contexts there (a torch.cuda call before
+    set_device) and another job's process stay the OOM (`ranks`: the ranks the log knows)."""
+    if root.rule.id != "cuda.oom" or root.finding is None or ranks < 2:
+        return root
+    heavy = sorted(int(pid) for pid, size, unit in OOM_HOLDER.findall(root.finding.text)
+                   if float(size) * _UNIT[unit] >= WORKING_SET)
+    rule = catalog.get(SHARED_GPU_RULE)
+    if len(heavy) < 2 or heavy[-1] - heavy[0] > 8 * len(heavy) or rule is None:
+        return root
+    return replace(root, rule=rule, reasons=root.reasons + (
+        f"the OOM message lists {len(heavy)} processes with neighbouring PIDs ({heavy[0]}-{heavy[-1]}) each holding "
+        "a GiB or more on this GPU: the job's own ranks share it",))
