@@ -77,7 +77,7 @@ def main(rank: int = -1, world: int = 0) -> None:
             os.kill(os.getpid(), signal.SIGUSR1)  # a profiler hook that dumps on SIGUSR1, not installed here
         if hit and a.fault == "sighup_self":
             os.kill(os.getpid(), signal.SIGHUP)  # a log-rotation hook that signals its own process
-        x = torch.randn(16, 8)
+        x = __import__("fault8_extra").batch(rank, step, a) if a.fault in ("loader_timeout", "json_config", "save_full") else torch.randn(16, 8)
         if hit and a.fault == "clip_inf":
             x[0, 0] = float("inf")  # one corrupt sample in this rank's batch
         loss = model(x).pow(2).mean()
