@@ -29,6 +29,7 @@ from logtriage.analysis.refine import (
     oom_device_rank,
     peer_that_left,
     sigkill_on_gpu_job,
+    stop_after_task_failure,
     stop_for_memory,
     stopped_while_waiting,
     store_wait_after_progress,
@@ -82,11 +83,11 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = oom_device_rank(root, scan.multi_node or any(k.host for k in keys), ray)
         root = oom_on_shared_gpu(root, len(facts.known), catalog)
     if root is not None and root.rule.category is Category.EXTERNAL_STOP:
-        root = stop_for_memory(root, findings)
+        root = stop_after_task_failure(stop_for_memory(root, findings), findings)
     if root is not None:
         root = timer_reaped(root, findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
-        root = sigkill_on_gpu_job(root, catalog)
+        root = sigkill_on_gpu_job(root, findings, catalog)
     if root is not None:
         root = unresolved_host(root, findings)
     if root is not None and root.rule.id == "nccl.invalid_rank":
@@ -119,10 +120,11 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is not None and (root.rule.id == STOPPED_WHILE_WAITING or root.rule.stuck):
         verdict = Verdict.HUNG
     notes: list[str] = []
-    if root is None or root.rule.category in (Category.EXTERNAL_STOP, Category.UNKNOWN) or root.rule.role is Role.EITHER:
+    if root is None or root.rule.category in (Category.EXTERNAL_STOP, Category.UNKNOWN) or root.rule.role in (
+            Role.EITHER, Role.CASCADE_CANDIDATE):
         # processes that never formed the group explain a start-up hang, a job stopped during
         # one, or a failure whose own cause the log does not hold or is ambiguous (a wrapper's
-        # announcement, an exit code) when ranks were claimed twice
+        # announcement, a consequence with nothing before it, an exit code) when ranks were claimed twice
         stopped = root is not None and root.rule.category is Category.EXTERNAL_STOP
         incomplete = world_incomplete(findings, catalog, root if stopped else None)
         if incomplete is not None and (root is None or stopped or incomplete.ranks):

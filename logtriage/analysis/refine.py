@@ -105,10 +105,36 @@ def stop_for_memory(root: RootCause, findings: list[Finding]) -> RootCause:
         "says so after the stop signal",))
 
 
-def sigkill_on_gpu_job(root: RootCause, catalog: Catalog) -> RootCause:
+TASK_FAILURE_RULES = ("sched.srun_task_exit", "sched.step_failed")
+
+
+def stop_after_task_failure(root: RootCause, findings: list[Finding]) -> RootCause:
+    """torchrun got SIGTERM after Slurm said one of the step's tasks had failed (`srun: error: node:
+    task N: Exited with exit code 1`, `*** STEP ... FAILED ***`): Slurm stopped the other tasks
+    because of it (--kill-on-bad-exit), so the stop is teardown and the failed task the cause."""
+    head = root.finding
+    if root.rule.id != SIGNAL_EXCEPTION_RULE or head is None:
+        return root
+    before = [f for f in findings if f.rule.id in TASK_FAILURE_RULES and f.source == head.source and f.seq < head.seq
+              and f.captures.get("exit_code", "1") != "0"]
+    if not before:
+        return root
+    first = min(before, key=lambda f: (f.rule.id != TASK_FAILURE_RULES[0], f.seq))   # a task's own line first
+    return RootCause(first.rule, first, first.rank, (first.rank,) if first.rank is not None else (), 0.55, (
+        f"Slurm reported a failed task ({first.rule.id}) before torchrun received its stop signal: the stop "
+        "is Slurm ending the step's other tasks",))
+
+
+def sigkill_on_gpu_job(root: RootCause, findings: list[Finding], catalog: Catalog) -> RootCause:
     """A worker killed by SIGKILL, with no message of its own, in a job that is not a CPU/gloo
     run: on GPU nodes the sender is, in practice, the kernel's OOM killer (host RAM exhausted by
-    data loading, checkpoint loading to CPU, too many DataLoader workers)."""
+    data loading, checkpoint loading to CPU, too many DataLoader workers), unless the scheduler
+    says it stopped the job (`CANCELLED ... DUE to SIGNAL Killed`, a revoked allocation)."""
+    stop = next((f for f in findings if f.is_error and f.category is Category.EXTERNAL_STOP
+                 and f.rule.id.startswith("sched.")), None)
+    if stop is not None:
+        return RootCause(stop.rule, stop, None, (), 0.6, root.reasons + (
+            f"the scheduler's own line ({stop.rule.id}) says it stopped the job: it sent the SIGKILL",))
     rule = catalog.get("host.oom_killer")
     if rule is None:
         return root
