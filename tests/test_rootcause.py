@@ -1131,3 +1131,30 @@ def test_a_cuda_oom_on_a_gpu_that_the_jobs_own_ranks_fill_is_a_device_assignment
     rc = _report(log, ranks + oom.format(procs="Including non-PyTorch memory, this process has 45.45 GiB memory "
                                                "in use. " + contexts))["root_cause"]
     assert (rc["rule_id"], rc["category"]) == ("cuda.oom", "gpu_oom")
+
+
+def test_a_torchrun_stop_after_slurm_reported_a_failed_task_is_teardown_and_the_task_the_cause(tmp_path):
+    # docs/research/gaps20.md row 12: another node's task exited 1; Slurm ends the step, torchrun
+    # here gets SIGTERM
+    progress = "".join(f"[rank{r}]:step 20 loss 2.1\n" for r in (0, 1))
+    stop = ("W1201 10:00:05.000000 1234 torch/distributed/elastic/agent/server/api.py:753] Received "
+            "Signals.SIGTERM death signal, shutting down workers\n"
+            "torch.distributed.elastic.multiprocessing.api.SignalException: Process 1234 got signal: 15\n")
+    log = tmp_path / "step.log"
+    rc = _report(log, progress + "srun: error: node02: task 1: Exited with exit code 1\n"
+                 "slurmstepd: error: *** STEP 881234.0 ON node01 FAILED (non-zero exit code or other failure mode) ***\n"
+                 + stop)["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("sched.srun_task_exit", "unknown", 1)
+    rc = _report(log, progress + stop)["root_cause"]
+    assert (rc["rule_id"], rc["category"]) == ("launcher.signal_exception", "external_stop")
+
+
+def test_a_worker_sigkill_the_scheduler_says_it_sent_is_its_stop_not_the_oom_killer(tmp_path):
+    killed = ("E1201 10:00:05.000000 1234 torch/distributed/elastic/multiprocessing/api.py:882] failed "
+              "(exitcode: -9) local_rank: 1 (pid: 1236) of binary: /usr/bin/python\n")
+    log = tmp_path / "kill.log"
+    rc = _report(log, "[rank1]:step 20 loss 2.1\nslurmstepd: error: *** STEP 881234.0 ON node01 CANCELLED AT "
+                      "2026-11-30T22:14:05 DUE to SIGNAL Killed ***\n" + killed)["root_cause"]
+    assert (rc["rule_id"], rc["category"]) == ("sched.slurm_cancelled", "external_stop")
+    rc = _report(log, "[rank1]:step 20 loss 2.1\n" + killed)["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("host.oom_killer", "host_oom", 1)
