@@ -1,6 +1,7 @@
 """Second readings of a chosen root: the same evidence read in its context, across ranks and the
 launcher. A peer's closed connection points at the rank that left; a stop signal with a memory
-reason is that reason; a bare SIGKILL on a GPU job is the OOM killer; a SIGHUP the launcher
+reason is that reason, and one that follows Slurm's report of a failed task is its teardown; a
+bare SIGKILL on a GPU job is the OOM killer unless the scheduler says it stopped the job; a SIGHUP the launcher
 forwards is its own; a store timeout after training started is a peer late to a collective; an
 abort that follows the watchdog's dump signal is the collective timeout's teardown; a Ctrl-C whose
 process sat in a wait is the hang someone stopped. Readings of one exception are in exceptions.py."""
