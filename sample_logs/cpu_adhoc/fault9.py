@@ -1,5 +1,5 @@
 """A ninth hand-run batch of faults that are not triage inject scenarios (nor in fault.py-fault8.py)."""
-import argparse, datetime, os, sys
+import argparse, contextlib, datetime, os, sys
 import torch, torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -51,6 +51,9 @@ def main(rank: int = -1, world: int = 0) -> None:
     if a.fault == "syncbn_cpu" and rank == a.rank:
         net = nn.SyncBatchNorm.convert_sync_batchnorm(net)  # this node's launch config sets --sync-bn
     model = nn.parallel.DistributedDataParallel(net)
+    if a.fault == "comm_hook_rank" and rank == a.rank:  # --compress-grads is set on this rank only
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     params = [] if (a.fault == "opt_empty" and rank == a.rank) else list(model.parameters())
     opt = torch.optim.SGD(params, lr=0.1)  # frozen-backbone filter picked nothing on this rank
     for step, x in batches(rank, world):
@@ -81,13 +84,15 @@ def main(rank: int = -1, world: int = 0) -> None:
             if rank == a.rank:
                 stats = torch.ones(2, 4).t()  # this rank's metric buffer is a transposed view
             dist.all_reduce(stats)
-        out = model(x, use_aux=not (hit and a.fault == "grad_unused"))
-        loss = out.pow(2).mean()
-        if a.fault == "grad_unused":
-            # gradient-norm penalty over every parameter (aux head skipped on this rank's step 3)
-            gs = torch.autograd.grad(loss, list(model.module.parameters()), retain_graph=True, allow_unused=False)
-            loss = loss + 1e-4 * sum(g.pow(2).sum() for g in gs)
-        opt.zero_grad(); loss.backward()
+        # this rank's accumulation schedule thinks step 3 is a micro-step (no all-reduce)
+        with model.no_sync() if (hit and a.fault == "no_sync_rank") else contextlib.nullcontext():
+            out = model(x, use_aux=not (hit and a.fault == "grad_unused"))
+            loss = out.pow(2).mean()
+            if a.fault == "grad_unused":
+                # gradient-norm penalty over every parameter (aux head skipped on this rank's step 3)
+                gs = torch.autograd.grad(loss, list(model.module.parameters()), retain_graph=True, allow_unused=False)
+                loss = loss + 1e-4 * sum(g.pow(2).sum() for g in gs)
+            opt.zero_grad(); loss.backward()
         print(f"rank {rank} step {step} loss {loss.item():.4f}", flush=True)
         opt.step()
         if step == 2 and a.fault == "eval_barrier" and rank != a.rank:
