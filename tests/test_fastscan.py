@@ -168,3 +168,14 @@ def test_fast_scan_chunk_boundaries(tmp_path, monkeypatch, chunk, tail):
     exact = triage([str(log)], TriageOptions(engine="exact")).to_dict()
     for workers in (0, 2):
         assert triage([str(log)], TriageOptions(engine="fast", workers=workers)).to_dict() == exact
+
+
+def test_the_builtin_catalog_builds_a_hyperscan_prefilter_where_hyperscan_is_installed():
+    # One pattern Hyperscan rejects (a `\x{2013}` escape above \xFF did, unnoticed, for several
+    # stops) silently sends every scan to the RE2 alternation, several times slower on 1 GB.
+    pytest.importorskip("hyperscan")
+    from logtriage.api import get_catalog
+    from logtriage.catalog.matcher import Matcher
+    from logtriage.fastscan.prefilter import Prefilter
+
+    assert Prefilter(Matcher(get_catalog()).rules).hyperscan is not None
