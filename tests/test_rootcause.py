@@ -1158,3 +1158,26 @@ def test_a_worker_sigkill_the_scheduler_says_it_sent_is_its_stop_not_the_oom_kil
     assert (rc["rule_id"], rc["category"]) == ("sched.slurm_cancelled", "external_stop")
     rc = _report(log, "[rank1]:step 20 loss 2.1\n" + killed)["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("host.oom_killer", "host_oom", 1)
+
+
+def test_a_vllm_workers_exception_behind_its_logger_header_is_read_with_its_type(tmp_path):
+    # docs/research/gaps23.md rows 41, 44: vLLM logs each traceback line of a worker as a record
+    head = "(VllmWorker rank=1 pid=1235) ERROR 12-01 10:00:00 [multiproc_executor.py:487] "
+    log = tmp_path / "vllm.log"
+    rc = _report(log, "".join(head + t + "\n" for t in (
+        "Traceback (most recent call last):", '  File "/usr/lib/vllm/worker.py", line 113, in init_device',
+        "    self.model_runner.load_model()",
+        "NotImplementedError: Pipeline parallelism is not supported for this model.")))["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["exception_type"]) == ("python.exception", 1, "NotImplementedError")
+
+
+def test_ray_trains_run_report_yields_to_the_workers_own_error_under_it(tmp_path):
+    # docs/research/gaps23.md row 23: WorkerGroupError carries rank 1's OOM in an error snippet
+    log = tmp_path / "ray.log"
+    rc = _report(log, _traceback("/workspace/serve.py", 42, "<module>", "main()",
+                                 "ray.train.v2.api.exceptions.WorkerGroupError: Training failed due to worker errors:",
+                                 "[Rank 1 Error Snippet]:")
+                 + _traceback("/workspace/train.py", 42, "train_func", "loss.backward()",
+                              "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a "
+                              "total capacity of 79.15 GiB of which 1.02 GiB is free."))["root_cause"]
+    assert (rc["rule_id"], rc["category"]) == ("cuda.oom", "gpu_oom")

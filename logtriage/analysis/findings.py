@@ -34,6 +34,9 @@ CASCADE_EXCEPTION_TYPES = frozenset({
     # Ray's driver-side reports of a remote task's or actor's failure; the remote traceback and
     # its own exception follow them (or the actor's process died with no Python error at all)
     "ActorDiedError", "RayActorError", "RayTaskError",
+    # Ray Train's and Tune's run-level reports: the workers' own errors follow them in
+    # `[Rank N Error Snippet]:` sections, or came earlier in the log
+    "WorkerGroupError", "TrainingFailedError", "TuneError",
 })
 _SIGNAL_RULES = {"SIGSEGV": "signal.sigsegv", "SIGABRT": "signal.sigabrt", "SIGBUS": "signal.sigbus",
                  "SIGKILL": "signal.sigkill", "SIGTERM": "signal.sigterm"}
