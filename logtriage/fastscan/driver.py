@@ -31,9 +31,9 @@ _PREFILTER = None
 
 def fast_scan(sources: tuple[Source, ...], matcher: Matcher, progress: Callable[[int], None] | None = None,
               workers: int | None = None) -> ScanResult:
-    from logtriage.fastscan.prefilter import Prefilter
+    from logtriage.fastscan.prefilter import prefilter_for
     result = new_result(sources)
-    prefilter = Prefilter(matcher.rules)
+    prefilter = prefilter_for(matcher.rules)
     pool = _pool(workers, prefilter)
     finished = False
     try:

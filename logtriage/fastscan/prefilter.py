@@ -150,6 +150,21 @@ class Prefilter:
         return np.unique(np.searchsorted(starts, np.asarray(ends, dtype=np.int64), side="right") - 1)
 
 
+_BUILT: dict[tuple, Prefilter] = {}
+
+
+def prefilter_for(rules: list[CompiledRule]) -> Prefilter:
+    """The prefilter of a rule set, built once per process: Hyperscan's compile of some 1,300
+    expressions takes a quarter of a second, which every small log would otherwise pay."""
+    key = tuple((c.rule.id, tuple(c.rule.patterns)) for c in rules)
+    found = _BUILT.get(key)
+    if found is None:
+        if len(_BUILT) >= 4:   # user rule directories make other sets; keep a few
+            _BUILT.clear()
+        found = _BUILT[key] = Prefilter(rules)
+    return found
+
+
 def _hyperscan_database(literals: list[str], folded: list[str], whole: list[str]):
     """A Hyperscan database of the same prefilter, or None (not installed, or a pattern it
     cannot take: the RE2 scan is used then)."""
