@@ -1029,6 +1029,11 @@ def test_a_missing_module_attribute_looked_up_by_an_installed_package_is_a_versi
     assert (rc["rule_id"], rc["category"]) == ("python.exception", "python_exception")
 
 
+_CLOSED_BY_PEER = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+                   "peer [127.0.0.1]:58542. This is typically caused by a remote worker crashing.\n")
+_EXIT1_ENTRY = "[{i}]:\n  rank      : {r} (local_rank: {r})\n  exitcode  : 1 (pid: 10{r})\n  error_file: <N/A>\n"
+
+
 def _gloo_timeout(rank: int) -> str:
     return (f"[rank{rank}]: Traceback (most recent call last):\n"
             f'[rank{rank}]:   File "/tmp/job/train.py", line 77, in main\n'
@@ -1052,13 +1057,11 @@ def test_an_unprefixed_error_belongs_to_the_rank_the_others_timeouts_wait_for(tm
 def test_a_clean_exit_that_leaves_several_ranks_waiting_is_the_rank_that_stopped_early(tmp_path):
     # sample_logs/cpu_adhoc/early_return_np4_r3: rank 3 returns from main() (exit 0); the three
     # others lose their peer in the all-reduce
-    closed = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
-              "peer [127.0.0.1]:58542. This is typically caused by a remote worker crashing.\n")
     log = tmp_path / "early.log"
     rc = _report(log, "".join(f"[rank{r}]: step 2 loss 0.3\n" for r in range(4))
-                 + "".join(f"[rank{r}]: Traceback (most recent call last):\n[rank{r}]: " + closed for r in (0, 2, 1))
-                 + _summary("[{i}]:\n  rank      : {r} (local_rank: {r})\n  exitcode  : 1 (pid: 10{r})\n"
-                            "  error_file: <N/A>\n", (1, 2), 0))["root_cause"]
+                 + "".join(f"[rank{r}]: Traceback (most recent call last):\n[rank{r}]: " + _CLOSED_BY_PEER
+                           for r in (0, 2, 1))
+                 + _summary(_EXIT1_ENTRY, (1, 2), 0))["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("gloo.connection_closed", "collective_error", 3)
 
 
@@ -1099,19 +1102,16 @@ def test_a_store_connect_that_timed_out_on_a_host_c10d_could_not_resolve_is_name
 def test_silent_ranks_that_exited_with_their_own_error_are_not_missing_from_the_collective(tmp_path):
     # sample_logs/cpu_adhoc/recv_never_np5_r4_filter: --local-ranks-filter 0,4 hides ranks 1-3;
     # the summary says ranks 1 and 2 exited 1, so their silence is the filter, not absence
-    closed = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
-              "peer [127.0.0.1]:21683. This is typically caused by a remote worker crashing.\n")
-    entry = "[{i}]:\n  rank      : {r} (local_rank: {r})\n  exitcode  : 1 (pid: 10{r})\n  error_file: <N/A>\n"
     body = ("".join(f"rank {r} step 2 loss 0.3\n" for r in (4, 0))
-            + "[rank0]: Traceback (most recent call last):\n[rank0]: " + closed + _gloo_timeout(4))
+            + "[rank0]: Traceback (most recent call last):\n[rank0]: " + _CLOSED_BY_PEER + _gloo_timeout(4))
     log = tmp_path / "filtered.log"
-    rc = _report(log, body + _summary(entry, (1, 2, 4), 0))["root_cause"]
+    rc = _report(log, body + _summary(_EXIT1_ENTRY, (1, 2, 4), 0))["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("gloo.timeout", "collective_timeout", 4)
     # without the summary's word that they failed on their own, silent ranks stay the missing ones
     log = tmp_path / "absent.log"
     rc = _report(log, "".join(f"[rank{r}]: step 2 loss 0.3\n" for r in (0, 1, 2))
                  + "".join(_gloo_timeout(r) for r in (0, 1, 2))
-                 + _summary(entry.replace("exitcode  : 1", "exitcode  : -15"), (3,), 0))["root_cause"]
+                 + _summary(_EXIT1_ENTRY.replace("exitcode  : 1", "exitcode  : -15"), (3,), 0))["root_cause"]
     assert (rc["category"], rc["rank"]) == ("collective_timeout", 3)
 
 
