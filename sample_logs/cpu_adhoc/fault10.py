@@ -95,7 +95,11 @@ def main(rank: int = -1, world: int = 0) -> None:
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     setup_logging(rank)
-    dist.init_process_group("gloo", timeout=TIMEOUT, rank=rank, world_size=world)
+    init = None
+    if a.fault == "file_init":  # shared-filesystem rendezvous; this rank's job config names another file
+        tag = "b" if rank == a.rank else "a"
+        init = f"file://{tempfile.gettempdir()}/fault10_init_{os.environ.get('MASTER_PORT')}_{tag}"
+    dist.init_process_group("gloo", init_method=init, timeout=TIMEOUT, rank=rank, world_size=world)
     model = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(1, a.steps + 1):
