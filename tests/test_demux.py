@@ -174,3 +174,18 @@ def test_a_prefixed_streams_abort_and_traceback_survive_other_ranks_lines_betwee
     assert reset.rank == 4 and run.scan.block_collectives[reset.block_id] == "all_reduce"
     rc = run.report.to_dict()["root_cause"]
     assert (rc["rule_id"], rc["line"]) == ("gloo.size_mismatch", 5)
+
+
+def test_a_scripts_own_progress_print_that_starts_with_its_rank_is_that_ranks(tmp_path):
+    # sample_logs/cpu_adhoc/no_sync_rank_np5_r4_spawn: `print(f"rank {rank} step {step} loss ...")`
+    log = tmp_path / "prints.log"
+    log.write_text("rank 4 step 1 loss 1.4557\n"
+                   "Rank 3 epoch 2 done\n"
+                   "rank 2 iteration 7\n"
+                   "rank 1: loading data\n"
+                   "rank 0 is the master\n"          # no progress word: not a marker
+                   "rank 5 steps ahead\n")           # `steps` is not `step`
+    run = run_triage([str(log)])
+    assert [_stream_of(run, n).rank_or_none for n in range(1, 7)] == [4, 3, 2, 1, None, None]
+    assert run.diagnosis.streams and {s.key.rank: s.last_step for s in run.diagnosis.streams
+                                      if s.key.rank is not None}[4] == 1

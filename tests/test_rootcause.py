@@ -526,6 +526,37 @@ def test_an_error_before_a_scheduler_time_limit_is_what_the_job_was_stuck_on(tmp
     assert (rc["category"], rc["rule_id"]) == ("external_stop", "sched.slurm_time_limit")
 
 
+def test_the_rank_whose_progress_went_its_own_way_is_the_peer_that_left(tmp_path):
+    # sample_logs/cpu_adhoc/no_sync_rank_np5_r4_spawn: rank 4 ran a step under no_sync() and got a
+    # collective ahead; the only error is rank 0's lost connection, the script's prints say which
+    prints = "".join(f"rank {r} step {s} loss 0.1\n" for s in (1, 2, 3, 4) for r in range(5)) + "rank 4 step 5 loss 0.1\n"
+    closed = ("[rank0]: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+              "peer [127.0.0.1]:10967\n")
+    log = tmp_path / "odd.log"
+    rc = _report(log, prints + closed)["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["ranks"]) == ("gloo.connection_closed", 4, [4])
+    # every rank at the same step: nothing says which peer left
+    rc = _report(log, prints.replace("rank 4 step 5 loss 0.1\n", "") + closed)["root_cause"]
+    assert (rc["rule_id"], rc["rank"]) == ("gloo.connection_closed", 0)
+
+
+def test_a_job_stopped_after_its_training_finished_had_hung_at_exit(tmp_path):
+    # sample_logs/public111/megatronbridge1656_*: training done, then eight minutes of nothing
+    # until Slurm's time limit; the processes never exited
+    done = "[after training is done] datetime: 2025-12-03 14:45:03\n"
+    finished = "training finished\n"
+    stop = "slurmstepd: error: *** STEP 4226796.2 ON node01 CANCELLED AT 2025-12-03T14:53:02 DUE TO TIME LIMIT ***\n"
+    log = tmp_path / "exit.log"
+    report = _report(log, "step 100 loss 1.2\n" + finished + done + stop)
+    rc = report["root_cause"]
+    assert (report["verdict"], rc["category"], rc["rule_id"], rc["line"]) == ("hung", "hang", "hang.exit_stalled", 4)
+    # an error after the finish line is no hang at exit; without the finish line the stop stands
+    rc = _report(log, "step 100 loss 1.2\n" + finished + "RuntimeError: boom\n" + stop)["root_cause"]
+    assert rc["rule_id"] != "hang.exit_stalled"
+    report = _report(log, "step 100 loss 1.2\n" + stop)
+    assert (report["verdict"], report["root_cause"]["rule_id"]) == ("failed", "sched.slurm_time_limit")
+
+
 def test_the_what_line_of_a_terminate_is_the_event(tmp_path):
     # horovod/horovod#2074 (sample_logs/public48/horovod_2074_*): the CUDA error is only in `what():`
     log = tmp_path / "what.log"

@@ -13,6 +13,7 @@ from logtriage.analysis.exceptions import (checkpoint_io, error_file_exception, 
 from logtriage.analysis.findings import Finding, resolve_findings
 from logtriage.analysis.hangs import (
     fallback_rule,
+    finished_then_stopped,
     hang_from_progress,
     stalled_in_nccl_init,
     waiting,
@@ -83,7 +84,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = oom_device_rank(root, scan.multi_node or any(k.host for k in keys), ray)
         root = oom_on_shared_gpu(root, len(facts.known), catalog)
     if root is not None and root.rule.category is Category.EXTERNAL_STOP:
-        root = stop_after_task_failure(stop_for_memory(root, findings), findings)
+        root = finished_then_stopped(stop_after_task_failure(stop_for_memory(root, findings), findings),
+                                     findings, catalog)
     if root is not None:
         root = timer_reaped(root, findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.nccl_ranks import SETUP_RULE
@@ -135,3 +136,27 @@ def world_incomplete(findings: list[Finding], catalog: Catalog, stop: RootCause 
 
 def fallback_rule(rule_id: str, category: Category, title: str) -> Rule:
     return Rule(id=rule_id, title=title, category=category, role=Role.ROOT_CANDIDATE, patterns=(), derived=True)
+
+
+EXIT_STALLED = "hang.exit_stalled"
+
+
+def finished_then_stopped(root: RootCause, findings: list[Finding], catalog: Catalog) -> RootCause:
+    """A job the scheduler or a person stopped (`root`, an external stop) after a line saying the
+    training had finished, with no error between: the processes finished their work and never
+    exited, and the stop ended a hang at exit (a process group never destroyed, a profiler or a
+    logger that does not shut down, a non-daemon thread)."""
+    stop = root.finding
+    if stop is None or root.rule.category is not Category.EXTERNAL_STOP:
+        return root
+    finished = next((f for f in findings if f.rule.id == "context.run_finished" and f.source == stop.source
+                     and f.line < stop.line), None)
+    if finished is None or any(f.is_error and not f.is_teardown and f.category is not Category.EXTERNAL_STOP
+                               and f.source == stop.source and finished.line < f.line < stop.line
+                               for f in findings):
+        return root
+    rule = catalog.get(EXIT_STALLED) or fallback_rule(
+        EXIT_STALLED, Category.HANG, "The run finished its work but never exited, until it was stopped")
+    return replace(root, rule=rule, confidence=min(root.confidence, 0.45), reasons=(
+        f"line {finished.line} says the run finished, and nothing failed after it; the processes did not exit "
+        f"until {root.rule.id} at line {stop.line} stopped them: the stop ended a hang at exit",))

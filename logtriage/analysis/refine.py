@@ -36,7 +36,7 @@ def peer_that_left(root: RootCause, findings: list[Finding], facts: RankFacts, c
         return root
     silent = facts.known - {f.rank for f in live}
     if len(silent) != 1:
-        return root
+        return _odd_one_out_in_progress(root, facts)
     peer = next(iter(silent))
     if silent <= facts.completed:
         left = sorted({f.rank for f in live if f.rule.id in PEER_LEFT_RULES})
@@ -49,6 +49,24 @@ def peer_that_left(root: RootCause, findings: list[Finding], facts: RankFacts, c
     return RootCause(rule, None, peer, (peer,), 0.35, (
         f"rank {peer} printed no error, and every error found is another rank's peer connection "
         f"closing ({root.rule.id}): rank {peer} left first, without a message",))
+
+
+def _odd_one_out_in_progress(root: RootCause, facts: RankFacts) -> RootCause:
+    """Several ranks printed no error, but their progress lines say which one went its own way:
+    every rank but one reached the same step, and that one stopped earlier or ran ahead (a
+    skipped collective, a step of its own): the peers lost their connection because of it."""
+    steps = facts.last_step
+    if len(steps) < 3 or len(steps) < len(facts.known) or len(set(steps.values())) != 2:
+        return root
+    odd = [r for r, s in steps.items() if list(steps.values()).count(s) == 1]
+    if len(odd) != 1 or len(steps) == 2:
+        return root
+    rank = odd[0]
+    others = next(s for r, s in steps.items() if r != rank)
+    return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.3), reasons=root.reasons + (
+        f"every error found is a peer connection closing; rank {rank}'s last progress line is step {steps[rank]}, "
+        f"every other rank's step {others}: it went its own way (it stopped early or ran a step ahead), "
+        "and the others lost their peer",))
 
 
 OOM_RULE = "cuda.oom"

@@ -22,7 +22,9 @@ PROBE = re.compile(r"^([A-Z][A-Z0-9_]*_JSON)=(.*)$")
 _RANK_MARKERS = (
     re.compile(r"\[\s*(?:global[_ ])?rank\s*[:=#]?\s*(\d{1,9})\s*(?:/\s*\d+\s*)?\]", re.IGNORECASE),
     re.compile(r"(?:^|[\s,(|])(?:global_)?rank\s*[=:]\s*(\d{1,9})\b", re.IGNORECASE),
-    re.compile(r"^\s*rank\s*(\d{1,9})\s*[:|\]]", re.IGNORECASE),
+    # and a script's own progress print that starts with its rank (`rank 3 step 12 loss 0.41`)
+    re.compile(r"^\s*rank\s*(\d{1,9})(?:\s*[:|\]]|\s+(?:step|epoch|iter|iteration|loss|batch|done|finished)\b)",
+               re.IGNORECASE),
 )
 # (NCCL's result codes under a DistBackendError, `ncclInternalError: Internal check failed.`, are
 # part of its message, not exceptions)

@@ -207,8 +207,8 @@ def _marker(buf, c, end, found):
     (case-insensitive), trying its three patterns in order:
     1. `[ *(global[_ ])?rank *[:=#]? *(\\d{1,9}) *(/ *\\d+ *)?]`
     2. `(^|[ ,(|])(global_)?rank *[=:] *(\\d{1,9})\\b`
-    3. `^ *rank *(\\d{1,9}) *[:|\\]]`
-    Returns the rank or -1."""
+    3. `^ *rank *(\\d{1,9})( *[:|\\]]| +(step|epoch|iter|iteration|loss|batch|done|finished)\\b)`
+    Returns the rank, -1 for none, or -2 where only the exact path can tell."""
     head_end = min(end, c + MARKER_HEAD)
     count = 0   # `found` (scratch space) gets where "rank" occurs: at most 8, beyond that the exact path
     for p in range(c, head_end - 3):
@@ -230,9 +230,46 @@ def _marker(buf, c, end, found):
     if k + 4 <= head_end and _is_rank_at(buf, k):
         value, digits, k = _number(buf, _skip_spaces(buf, k + 4, head_end), head_end, 9)
         if 0 < digits <= 9:
+            after = k
             k = _skip_spaces(buf, k, head_end)
             if k < head_end and (buf[k] == 58 or buf[k] == 124 or buf[k] == 93):
                 return value
+            if k > after:
+                return _progress_word_at(buf, k, head_end, value)
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _word_at(buf, k, head_end, word):
+    """Whether `word` (lower-case ASCII bytes) is at k in any case and followed by a `\\b`: 1 yes,
+    0 no, -2 when a non-ASCII byte follows (whether it is a word character only the exact path
+    can tell)."""
+    n = word.shape[0]
+    if k + n > head_end:
+        return 0
+    for j in range(n):
+        if _lower(buf[k + j]) != word[j]:
+            return 0
+    if k + n == head_end:
+        return 1
+    if buf[k + n] >= 128:
+        return -2
+    return 0 if _is_word(buf[k + n]) else 1
+
+
+_PROGRESS_WORDS = tuple(np.frombuffer(w, dtype=np.uint8) for w in (
+    b"step", b"epoch", b"iter", b"iteration", b"loss", b"batch", b"done", b"finished"))
+
+
+@njit(cache=True, nogil=True)
+def _progress_word_at(buf, k, head_end, value):
+    """Pattern 3's second branch: a progress word after `rank N ` (a script's own print)."""
+    for word in _PROGRESS_WORDS:
+        hit = _word_at(buf, k, head_end, word)
+        if hit == 1:
+            return value
+        if hit == -2:
+            return -2
     return -1
 
 
