@@ -540,6 +540,24 @@ def test_the_rank_whose_progress_went_its_own_way_is_the_peer_that_left(tmp_path
     assert (rc["rule_id"], rc["rank"]) == ("gloo.connection_closed", 0)
 
 
+def test_dcp_names_the_rank_whose_load_failed_on_every_rank(tmp_path):
+    # sample_logs/cpu_adhoc/dcp_mismatch_np4_r2_tee: rank 2's dcp.load into a wider tensor; every
+    # rank raises the same CheckpointException naming rank 2, and rank 0's copy prints first
+    def rank_block(r):
+        return (f"[rank{r}]: Traceback (most recent call last):\n"
+                f'[rank{r}]:   File "/tmp/job/train.py", line 88, in main\n'
+                f"[rank{r}]:     dcp.load(sd, checkpoint_id=ckpt)\n"
+                f"[rank{r}]: torch.distributed.checkpoint.api.CheckpointException: CheckpointException ranks:dict_keys([2])\n"
+                f"[rank{r}]: Traceback (most recent call last): (RANK 2)\n"
+                f'[rank{r}]:   File "/tmp/venv/torch/distributed/checkpoint/default_planner.py", line 471, in create_local_plan\n'
+                f"[rank{r}]:     raise ValueError(\n"
+                f"[rank{r}]: ValueError: Size mismatch between saved torch.Size([4]) and current: torch.Size([6]) for head.w\n")
+    log = tmp_path / "dcp.log"
+    rc = _report(log, "".join(rank_block(r) for r in (0, 1, 3, 2)))["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["rank"], rc["ranks"], rc["line"]) == (
+        "checkpoint", "ckpt.size_mismatch", 2, [2], 32)
+
+
 def test_a_job_stopped_after_its_training_finished_had_hung_at_exit(tmp_path):
     # sample_logs/public111/megatronbridge1656_*: training done, then eight minutes of nothing
     # until Slurm's time limit; the processes never exited

@@ -39,7 +39,7 @@ from logtriage.analysis.refine import (
     unsent_sigterms,
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
-from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, group_destroyed, oom_on_shared_gpu,
+from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_named_ranks, group_destroyed, oom_on_shared_gpu,
                                               spawn_report_yields, timer_reaped, unresolved_host)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
 from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, message_of, output_stopped, stuck_after_warning,
@@ -96,6 +96,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = bootstrap_layout_mismatch(root, catalog)
     if root is not None:
         root = abort_after_dump_signal(checkpoint_io(frame_reading(root, catalog), catalog), findings)
+        root = dcp_named_ranks(root, findings, scan.block_exceptions)
         root = probe_json_without_banner(root, bool(scan.banner_lines), catalog)
         root = different_collectives_at_one_seq(root, findings, catalog)
         root = store_wait_after_progress(root, findings, facts, _first_progress(stream_stats), catalog)

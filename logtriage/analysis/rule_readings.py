@@ -128,3 +128,28 @@ def oom_on_shared_gpu(root: RootCause, ranks: int, catalog: Catalog) -> RootCaus
     return replace(root, rule=rule, reasons=root.reasons + (
         f"the OOM message lists {len(heavy)} processes with neighbouring PIDs ({heavy[0]}-{heavy[-1]}) each holding "
         "a GiB or more on this GPU: the job's own ranks share it",))
+
+
+# torch/distributed/checkpoint/api.py: `CheckpointException ranks:dict_keys([2])`
+_DCP_RANKS = re.compile(r"CheckpointException ranks:\s*(?:dict_keys\()?\[([\d, ]*)\]")
+
+
+def dcp_named_ranks(root: RootCause, findings: list[Finding], block_exceptions: dict[int, str]) -> RootCause:
+    """torch.distributed.checkpoint gathers every rank's failure and raises the same
+    `CheckpointException ranks:dict_keys([2])` on all of them (`block_exceptions`: each
+    traceback's exception line): the ranks it names are where the load or save failed, whichever
+    rank's copy printed first. The root moves to the named rank's own error where it printed one."""
+    if root.rule.category.value != "checkpoint" or root.finding is None:
+        return root
+    named_by_block = {b: {int(r) for r in re.findall(r"\d+", m.group(1))}
+                      for b, text in block_exceptions.items() if (m := _DCP_RANKS.search(text))}
+    named = set().union(*named_by_block.values()) if named_by_block else set()
+    reporters = {f.rank for f in findings if f.block_id in named_by_block and f.rank is not None}
+    if not named or not reporters - named or (root.rank in named and len(named) == 1 and root.ranks == (root.rank,)):
+        return root    # nothing named, or only the failing ranks reported
+    first = min(named)
+    own = next((f for f in findings if f.rank == first and f.rule.id == root.rule.id), root.finding)
+    return replace(root, finding=own, rank=first if len(named) == 1 else None, ranks=tuple(sorted(named)),
+                   reasons=root.reasons + (
+                       f"torch.distributed.checkpoint's CheckpointException on every rank names rank(s) "
+                       f"{ranges(sorted(named), limit=8)} as the ones that failed",))
