@@ -84,8 +84,15 @@ def _without_reraise_wrappers(live: list[Finding]) -> list[Finding]:
         return live
     dropped = {id(w) for w in wrappers
                if any(g.source == w.source and 0 < g.line - w.line <= RERAISE_REACH and not _RERAISE.search(g.text)
-                      for g in live)}
+                      and _in_original_traceback(g) for g in live)}
     return [f for f in live if id(f) not in dropped]
+
+
+def _in_original_traceback(finding: Finding) -> bool:
+    """Whether a finding after a re-raise can be the original error: not the launcher's report of
+    the process's exit (an inner error no rule knows leaves the wrapper as the root)."""
+    return finding.attributed_by != "launcher" and finding.rule.id != EXIT_RULE \
+        and finding.category is not Category.UNKNOWN
 
 
 def _notice_of_own_exit(finding: Finding, either: list[Finding]) -> bool:
