@@ -558,6 +558,26 @@ def test_dcp_names_the_rank_whose_load_failed_on_every_rank(tmp_path):
         "checkpoint", "ckpt.size_mismatch", 2, [2], 32)
 
 
+def test_a_store_client_still_retrying_when_the_log_ends_is_a_hang(tmp_path):
+    # sample_logs/public114/internvla_* and public67/verl2492_*: the client's connect timed out and
+    # it says it will try again; nothing after: the workers were still waiting for the store
+    timeout = ("[E728 15:01:59.561275187 socket.cpp:1028] [c10d] The client socket has timed out after 600000ms "
+               "while trying to connect to (127.0.0.1, 48315).\n")
+    retry = ("[W728 15:01:59.562622567 TCPStore.cpp:340] [c10d] TCP client failed to connect/validate to host "
+             "127.0.0.1:48315 - retrying (try=0, timeout=600000ms, delay=33924ms): The client socket has timed out "
+             "after 600000ms while trying to connect to (127.0.0.1, 48315).\n"
+             "Exception raised from throwTimeoutError at /pytorch/torch/csrc/distributed/c10d/socket.cpp:1013 "
+             "(most recent call first):\n")
+    log = tmp_path / "retry.log"
+    report = _report(log, timeout + retry)
+    assert (report["verdict"], report["root_cause"]["category"], report["root_cause"]["rule_id"]) == (
+        "hung", "rendezvous", "dist.store_connect_timeout")
+    # the client gave up: DistNetworkError after the retry note
+    report = _report(log, timeout + retry + "torch.distributed.DistNetworkError: The client socket has timed out after "
+                     "600000ms while trying to connect to (127.0.0.1, 48315).\n")
+    assert (report["verdict"], report["root_cause"]["category"]) == ("failed", "rendezvous")
+
+
 def test_a_job_stopped_after_its_training_finished_had_hung_at_exit(tmp_path):
     # sample_logs/public111/megatronbridge1656_*: training done, then eight minutes of nothing
     # until Slurm's time limit; the processes never exited

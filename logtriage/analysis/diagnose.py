@@ -3,7 +3,7 @@ ranks given a status. Pure data in, pure data out (no rendering, no I/O)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from logtriage.analysis.childfailed import ChildFailure, is_own_failure, parse_child_failures
 from logtriage.analysis.diverged import different_collectives_at_one_seq
@@ -42,8 +42,8 @@ from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
 from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_named_ranks, group_destroyed, oom_on_shared_gpu,
                                               spawn_report_yields, timer_reaped, unresolved_host)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
-from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, message_of, output_stopped, stuck_after_warning,
-                                        unknown_error_line)
+from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, message_of, output_stopped, still_retrying,
+                                        stuck_after_warning, unknown_error_line)
 from logtriage.analysis.roots import ChainLink, RankFacts, RootCause, Verdict
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role
@@ -122,6 +122,11 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     verdict = Verdict.FAILED if root is not None else Verdict.OK
     if root is not None and (root.rule.id == STOPPED_WHILE_WAITING or root.rule.stuck):
         verdict = Verdict.HUNG
+    elif root is not None and still_retrying(scan, root, findings):
+        verdict = Verdict.HUNG
+        root = replace(root, reasons=root.reasons + (
+            "the log ends on the store client's note that it will try again: it was still retrying when the "
+            "output stops, so the run hangs there (the store's host is gone or unreachable)",))
     notes: list[str] = []
     if root is None or root.rule.category in (Category.EXTERNAL_STOP, Category.UNKNOWN) or root.rule.role in (
             Role.EITHER, Role.CASCADE_CANDIDATE):

@@ -131,3 +131,31 @@ def log_tail(scan: ScanResult, findings: list[Finding], facts: RankFacts) -> lis
         texts = read_lines(scan.sources[source], scan.indexes[source], numbers) if numbers else {}
         tail += [(source, n, texts.get(n, "")) for n in numbers if not _PREFIX_ONLY.match(texts.get(n, ""))]
     return tail
+
+
+STORE_CONNECT_RULES = frozenset({"dist.store_connect_timeout", "dist.store_connect_failed"})
+# c10d's TCPStore client between attempts (`TCP client failed to connect/validate to host ... -
+# retrying (try=0, timeout=600000ms, delay=33924ms): ...`) and the C++ frames printed under it
+_RETRYING = re.compile(r"- retrying \(try=\d+")
+_NATIVE_TRAILER = re.compile(r"Exception raised from |^\s*frame #\d+|^\s*$")
+
+
+def still_retrying(scan: ScanResult, root: RootCause, findings: list[Finding]) -> bool:
+    """The only errors are a store client's failed connects, and the log ends on its note that it
+    will try again: the process was still retrying when the output stops, so the run hangs there
+    (a store host that is gone or unreachable), it has not failed yet."""
+    if root.rule.id not in STORE_CONNECT_RULES or scan.unreadable or not scan.sources:
+        return False
+    if any(f.is_error and not f.is_teardown and f.rule.id not in STORE_CONNECT_RULES for f in findings):
+        return False
+    source = len(scan.sources) - 1
+    total = len(scan.indexes[source].offsets)
+    numbers = list(range(max(1, total - 7), total + 1))
+    texts = read_lines(scan.sources[source], scan.indexes[source], numbers)
+    for number in reversed(numbers):
+        text = texts.get(number, "")
+        if _RETRYING.search(text):
+            return True
+        if not _NATIVE_TRAILER.search(text):
+            return False
+    return False
