@@ -47,6 +47,16 @@ def claim_local_rank(rank: int, world: int) -> int:
     return local
 
 
+class EvalStats:
+    """Per-rank evaluation stats, gathered on every rank; pickles as its constructor arguments."""
+
+    def __init__(self, rank: int, correct: int, log=None):
+        self.rank, self.correct, self.log = rank, correct, log
+
+    def __reduce__(self):
+        return (EvalStats, (self.rank, self.correct, self.log))
+
+
 def build_model(rank: int) -> nn.Module:
     if a.fault == "seed_check":
         torch.manual_seed(1234 + (rank if rank == a.rank else 0))  # this rank seeds from its rank
@@ -90,6 +100,11 @@ def fault_at_step3(rank: int, world: int, opt) -> None:
         fut = pool.submit(time.sleep, 25)  # the upload of the step-2 checkpoint never finishes
         say(rank, "waiting for checkpoint upload of step 2")
         fut.result(timeout=3)
+    if a.fault == "reduce_fh":
+        log = open(os.path.join(tempfile.gettempdir(), f"fault11_eval{rank}.log"), "a") if hit else None  # this rank keeps its eval log open
+        stats = [None] * world
+        dist.all_gather_object(stats, EvalStats(rank, 12 + rank, log))
+        say(rank, f"eval correct {sum(s.correct for s in stats)}")
     if a.fault == "sigfpe_self" and hit:
         say(rank, "computing throughput")
         os.kill(os.getpid(), signal.SIGFPE)
