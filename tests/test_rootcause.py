@@ -578,6 +578,46 @@ def test_a_store_client_still_retrying_when_the_log_ends_is_a_hang(tmp_path):
     assert (report["verdict"], report["root_cause"]["category"]) == ("failed", "rendezvous")
 
 
+_GLOO_RECV_TIMEOUT = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                      "waiting 15000ms for recv operation to complete\n")
+
+
+def _two_rank_timeouts(barrier_step: int, backward_step: int) -> str:
+    # sample_logs/cpu_adhoc/accum_extra_np4_r3_filter (ranks 1-2 filtered out): rank 0 waits in the
+    # barrier after its loop, rank 3 in DDP's backward (here rank 1, so that no rank is missing)
+    prints = (f"rank 0 step {barrier_step} loss 0.1\nrank 1 step {backward_step} loss 0.1\n")
+    barrier = ("[rank0]: Traceback (most recent call last):\n"
+               '[rank0]:   File "/tmp/job/train.py", line 130, in main\n[rank0]:     dist.barrier()\n'
+               '[rank0]:   File "/tmp/venv/torch/distributed/distributed_c10d.py", line 5356, in barrier\n'
+               "[rank0]:     work.wait()\n[rank0]: " + _GLOO_RECV_TIMEOUT)
+    backward = ("[rank1]: Traceback (most recent call last):\n"
+                '[rank1]:   File "/tmp/job/train.py", line 127, in main\n[rank1]:     loss.backward()\n'
+                '[rank1]:   File "/tmp/venv/torch/autograd/graph.py", line 979, in _engine_run_backward\n'
+                "[rank1]:     return Variable._execution_engine.run_backward(\n[rank1]: " + _GLOO_RECV_TIMEOUT)
+    return prints + barrier + backward
+
+
+def test_of_two_timed_out_ranks_the_one_behind_in_the_loop_is_the_slow_one(tmp_path):
+    log = tmp_path / "two.log"
+    rc = _report(log, _two_rank_timeouts(barrier_step=5, backward_step=3))["root_cause"]
+    assert (rc["category"], rc["rank"], rc["line"]) == ("collective_timeout", 1, 14)
+    # the rank in the barrier printed fewer steps: it left the loop early (fewer batches)
+    rc = _report(log, _two_rank_timeouts(barrier_step=3, backward_step=5))["root_cause"]
+    assert (rc["category"], rc["rank"]) == ("collective_timeout", 0)
+
+
+def test_an_abort_as_the_process_exits_after_its_exception_is_not_the_event(tmp_path):
+    # sample_logs/cpu_adhoc/seed_check_np3_r2_tee: the AssertionError, then `terminate called
+    # without an active exception` as the process exits with a thread still running (exit -6)
+    log = tmp_path / "abort.log"
+    rc = _report(log, "[default2]:[rank2]: Traceback (most recent call last):\n"
+                      '[default2]:[rank2]:   File "/tmp/job/train.py", line 88, in main\n'
+                      "[default2]:[rank2]:     assert same, msg\n"
+                      "[default2]:[rank2]: AssertionError: rank 2: parameters differ from rank 0 after init\n"
+                      "[default2]:terminate called without an active exception\n")["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == ("python.assertion", "python_exception", 2, 4)
+
+
 def test_a_job_stopped_after_its_training_finished_had_hung_at_exit(tmp_path):
     # sample_logs/public111/megatronbridge1656_*: training done, then eight minutes of nothing
     # until Slurm's time limit; the processes never exited

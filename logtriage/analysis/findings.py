@@ -234,8 +234,19 @@ def _best_per_traceback(findings: list[Finding], block_kinds: dict[int, str]) ->
     loading state_dict` line above it; a watchdog `what():` explains `terminate called`)."""
     best: dict[int, int] = {}
     wrapped: set[int] = set()
+    # a Python traceback whose exception a rule knows as a root: an abort printed after it as the
+    # process exits (`terminate called without an active exception`: a thread left running) is
+    # its aftermath, not a more specific reading of it
+    cascade_lines = {(f.block_id, f.line) for f in findings if f.role is Role.CASCADE_CANDIDATE}
+    rooted: dict[int, int] = {}     # block -> the line of its exception read as a root
+    for f in findings:
+        if (f.block_id >= 0 and f.is_error and f.role is Role.ROOT_CANDIDATE and block_kinds.get(f.block_id) == "traceback"
+                and (f.block_id, f.line) not in cascade_lines):
+            rooted[f.block_id] = min(rooted.get(f.block_id, f.line), f.line)
     for f in findings:
         if f.block_id >= 0 and f.is_error and not f.is_teardown and block_kinds.get(f.block_id) in _BLOCK_KINDS_WITH_ONE_EVENT:
+            if f.role is Role.CASCADE_CANDIDATE and f.line > rooted.get(f.block_id, f.line):
+                continue
             if f.rule.id in _WRAPPER_RULES:
                 best.setdefault(f.block_id, -1)
             else:

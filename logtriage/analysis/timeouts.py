@@ -85,6 +85,13 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
     odd = _odd_collective(timeouts)
     if odd is not None:
         rank, place, others = odd
+        slower = _still_in_the_loop(facts, timed_out, rank, others)
+        if slower is not None:
+            own = next((f for f in timeouts if f.rank == slower), first)
+            return RootCause(own.rule, own, slower, (slower,), 0.45, (
+                f"two ranks timed out: rank {rank} in `{place}` after its last step ({facts.last_step[rank]}), rank "
+                f"{slower} still in {others} at step {facts.last_step[slower]}: rank {slower} fell behind (more "
+                f"work per step, an extra micro-step), and rank {rank} finished its loop and waited",))
         return RootCause(first.rule, first, rank, (rank,), 0.5, (
             f"every rank timed out, but rank {rank} waited in `{place}` and all the others in `{others}`: "
             f"its code took a different path (uneven data, a rank-specific branch)",))
@@ -150,6 +157,16 @@ def _left_the_loop(timeouts: list[Finding]) -> tuple[int, str, str] | None:
         return None
     rank, place = next(iter(explicit.items()))
     return rank, place, "DDP's backward all-reduce"
+
+
+def _still_in_the_loop(facts: RankFacts, timed_out: set[int], left: int, others: str) -> int | None:
+    """Of two ranks, the one `_left_the_loop` names waited outside the loop; if the other, still in
+    DDP's backward, had printed fewer steps, it was the slow one, not the first one early."""
+    if len(timed_out) != 2 or others != "DDP's backward all-reduce":
+        return None
+    other = next(r for r in timed_out if r != left)
+    steps = facts.last_step
+    return other if left in steps and other in steps and steps[left] > steps[other] else None
 
 
 def _broadcast_source(timeouts: list[Finding]) -> int | None:
