@@ -96,6 +96,14 @@ def fault_at_step3(rank: int, world: int, model, hit: bool) -> None:
         base = torch.randn(8)
         t = torch.tensor(base)
         say(rank, f"copied stats {t.sum().item():.3f}")
+    if a.fault == "detail_op":
+        stats = torch.tensor([float(rank), 1.0])
+        if hit:  # this rank gathers its eval stats where the others sum them
+            out = [torch.empty(2) for _ in range(world)]
+            dist.all_gather(out, stats)
+        else:
+            dist.all_reduce(stats)
+        say(rank, "eval stats synced")
     if a.fault == "cpu_limit" and hit:
         used = resource.getrusage(resource.RUSAGE_SELF)
         soft = int(used.ru_utime + used.ru_stime) + 2
