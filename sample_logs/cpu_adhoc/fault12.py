@@ -104,6 +104,9 @@ def fault_at_step3(rank: int, world: int, model, hit: bool) -> None:
         else:
             dist.all_reduce(stats)
         say(rank, "eval stats synced")
+    if a.fault == "stdout_closed" and hit:
+        say(rank, "switching progress output to the dashboard")
+        sys.stdout.close()  # meant to close the dashboard's pipe, closes the real stdout
     if a.fault == "cpu_limit" and hit:
         used = resource.getrusage(resource.RUSAGE_SELF)
         soft = int(used.ru_utime + used.ru_stime) + 2
@@ -122,6 +125,8 @@ def main(rank: int = -1, world: int = 0) -> None:
     world = int(os.environ["WORLD_SIZE"])
     hit = rank == a.rank
     dist.init_process_group("gloo", timeout=TIMEOUT, rank=rank, world_size=world)
+    if a.fault == "default_dtype" and hit:
+        torch.set_default_dtype(torch.float64)  # this rank's config enables double precision
     ckpt = a.fault == "ckpt_recompute"
     model = Net(ckpt)
     model.block.pop_noise = ckpt and hit  # this rank's copy of the block consumes its noise on first read
