@@ -107,6 +107,11 @@ def fault_at_step3(rank: int, world: int, model, hit: bool) -> None:
     if a.fault == "stdout_closed" and hit:
         say(rank, "switching progress output to the dashboard")
         sys.stdout.close()  # meant to close the dashboard's pipe, closes the real stdout
+    if a.fault == "fsize_save" and hit:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))  # the node's job wrapper caps file size at 1 MiB
+        path = f"/tmp/fault12_step2_rank{rank}.pt"
+        say(rank, f"saving step-2 checkpoint to {path}")
+        torch.save({"model": model.state_dict(), "buffer": torch.zeros(1 << 20)}, path)
     if a.fault == "cpu_limit" and hit:
         used = resource.getrusage(resource.RUSAGE_SELF)
         soft = int(used.ru_utime + used.ru_stime) + 2
