@@ -618,6 +618,26 @@ def test_an_abort_as_the_process_exits_after_its_exception_is_not_the_event(tmp_
     assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == ("python.assertion", "python_exception", 2, 4)
 
 
+def test_a_ctrl_c_long_after_the_last_output_ended_a_hang(tmp_path):
+    # sample_logs/public14/axolotl1563_*: `Starting trainer...` at 21:39:51, nothing, then the
+    # user's Ctrl-C at 22:04:33
+    def log_with(last: str) -> str:
+        return (f"[2024-04-23 {last},276] [INFO] [axolotl.train.log:61] [PID:1486799] [RANK:0] Starting trainer...\n"
+                "\n\n"
+                "^C[2024-04-23 22:04:33,011] torch.distributed.elastic.agent.server.api: [WARNING] Received "
+                "Signals.SIGINT death signal, shutting down workers\n"
+                "[2024-04-23 22:04:33,012] torch.distributed.elastic.multiprocessing.api: [WARNING] Sending process "
+                "1486799 closing signal SIGINT\n")
+    log = tmp_path / "stall.log"
+    report = _report(log, log_with("21:39:51"))
+    assert (report["verdict"], report["root_cause"]["category"], report["root_cause"]["rule_id"]) == (
+        "hung", "hang", "hang.stopped_while_waiting")
+    # two minutes of quiet is a stop, not a stall
+    report = _report(log, log_with("22:02:33"))
+    assert (report["verdict"], report["root_cause"]["category"], report["root_cause"]["rule_id"]) == (
+        "failed", "external_stop", "launcher.signal_exception")
+
+
 def test_a_job_stopped_after_its_training_finished_had_hung_at_exit(tmp_path):
     # sample_logs/public111/megatronbridge1656_*: training done, then eight minutes of nothing
     # until Slurm's time limit; the processes never exited

@@ -42,8 +42,8 @@ from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
 from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_named_ranks, group_destroyed, oom_on_shared_gpu,
                                               spawn_report_yields, timer_reaped, unresolved_host)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
-from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, message_of, output_stopped, still_retrying,
-                                        stuck_after_warning, unknown_error_line)
+from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, message_of, output_stopped, stalled_before_stop,
+                                        still_retrying, stuck_after_warning, unknown_error_line)
 from logtriage.analysis.roots import ChainLink, RankFacts, RootCause, Verdict
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role
@@ -86,6 +86,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is not None and root.rule.category is Category.EXTERNAL_STOP:
         root = finished_then_stopped(stop_after_task_failure(stop_for_memory(root, findings), findings),
                                      findings, catalog)
+        root = stalled_before_stop(scan, root, findings, catalog)
     if root is not None:
         root = timer_reaped(root, findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:

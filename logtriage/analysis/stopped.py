@@ -7,6 +7,7 @@ since nothing in it says a job ran."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.hangs import fallback_rule
@@ -16,6 +17,7 @@ from logtriage.catalog.rule import Category
 from logtriage.demux.prefixes import Dialect, strip_prefixes
 from logtriage.demux.streams import StreamKey
 from logtriage.ingest.lines import read_lines
+from logtriage.analysis.timestamps import parse_stamp
 from logtriage.scan import STEP, ScanResult
 
 FINISHED_RULE = "context.run_finished"
@@ -159,3 +161,38 @@ def still_retrying(scan: ScanResult, root: RootCause, findings: list[Finding]) -
         if not _NATIVE_TRAILER.search(text):
             return False
     return False
+
+
+LAUNCHER_STOP_RULES = frozenset({"launcher.signal_exception", "launcher.interrupted"})
+STALL_SECONDS = 600.0
+_CTRL_C = re.compile(r"^(?:\^C)+")
+
+
+def stalled_before_stop(scan: ScanResult, root: RootCause, findings: list[Finding], catalog: Catalog) -> RootCause:
+    """A launcher stopped by a signal (Ctrl-C, a scheduler's SIGTERM) whose output before the stop
+    ends on a stamped line ten minutes or more earlier, with no error since: the job had stalled,
+    and the stop only ended the hang (axolotl#1563: `Starting trainer...` at 21:39, Ctrl-C at 22:04)."""
+    stop = root.finding
+    if root.rule.id not in LAUNCHER_STOP_RULES or stop is None or stop.source >= len(scan.sources):
+        return root
+    end = stop.stamp or parse_stamp(_CTRL_C.sub("", stop.text))
+    if end is None:
+        return root
+    numbers = list(range(max(1, stop.line - 40), stop.line))
+    texts = read_lines(scan.sources[stop.source], scan.indexes[stop.source], numbers)
+    last = next(((n, texts[n]) for n in reversed(numbers) if texts.get(n, "").strip()), None)
+    begin = parse_stamp(_CTRL_C.sub("", message_of(last[1]))) if last else None
+    if begin is None or begin.family != end.family or end.seconds - begin.seconds < STALL_SECONDS:
+        return root
+    if any(f.is_error and not f.is_teardown and f.category is not Category.EXTERNAL_STOP
+           and f.source == stop.source and last[0] <= f.line < stop.line for f in findings):
+        return root
+    rule = catalog.get(STOPPED_WHILE_WAITING_RULE) or fallback_rule(
+        STOPPED_WHILE_WAITING_RULE, Category.HANG, "Stopped while waiting: the run had hung")
+    minutes = (end.seconds - begin.seconds) / 60
+    return replace(root, rule=rule, confidence=min(root.confidence, 0.45), reasons=root.reasons + (
+        f"the last output before the stop (line {last[0]}) is stamped {minutes:.0f} minutes earlier, and nothing "
+        "failed since: the job had stalled there, and the stop only ended the hang",))
+
+
+STOPPED_WHILE_WAITING_RULE = "hang.stopped_while_waiting"
