@@ -638,6 +638,19 @@ def test_a_ctrl_c_long_after_the_last_output_ended_a_hang(tmp_path):
         "failed", "external_stop", "launcher.signal_exception")
 
 
+def test_uneven_progress_is_no_hang_when_the_launcher_says_every_worker_finished(tmp_path):
+    # docs/research/gaps29.md rows 34, 45: DeepSpeed's `Grad overflow on iteration 9` on one rank
+    # reads as that rank's last step; the agent's success line says the run ended well
+    ok = ("I1201 10:05:00.000000 1234 torch/distributed/elastic/agent/server/api.py:879] [default] worker group "
+          "successfully finished. Waiting 300 seconds for other agents to finish.\n")
+    steps = "[rank0]: step 100 loss 2.31\n[rank1]: step 12 loss 2.40\n[rank0]: step 200 loss 2.10\n"
+    log = tmp_path / "fine.log"
+    report = _report(log, steps + "[rank0]: training finished\n" + ok)
+    assert (report["verdict"], report["root_cause"]) == ("ok", None)
+    # without it, the same lines are a rank left behind
+    assert _report(log, steps)["verdict"] == "hung"
+
+
 def test_a_job_stopped_after_its_training_finished_had_hung_at_exit(tmp_path):
     # sample_logs/public111/megatronbridge1656_*: training done, then eight minutes of nothing
     # until Slurm's time limit; the processes never exited

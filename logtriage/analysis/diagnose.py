@@ -3,6 +3,7 @@ ranks given a status. Pure data in, pure data out (no rendering, no I/O)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 from logtriage.analysis.childfailed import ChildFailure, is_own_failure, parse_child_failures
@@ -143,7 +144,9 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = waiting(findings, facts)
         if root is None and not scan.unreadable:   # output that stops where the input broke off says nothing
             finished = any(f.rule.id == FINISHED_RULE for f in findings)   # its NCCL teardown is no stall
-            root = hang_from_progress(facts, catalog) or (
+            # the launcher's own word that every worker exited 0: uneven progress lines are no hang
+            all_done = any(f.rule.id == FINISHED_RULE and _LAUNCHER_SUCCESS.search(f.text) for f in findings)
+            root = (None if all_done else hang_from_progress(facts, catalog)) or (
                 None if finished else stalled_in_nccl_init(scan, findings, facts, catalog))
         if root is not None:
             verdict = Verdict.HUNG
@@ -170,6 +173,9 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     streams = stream_statuses(stream_stats, findings, root or recovered, chain, verdict, failures)
     return Diagnosis(verdict, root, chain, tuple(findings), streams, tuple(keys), tuple(failures), env, tuple(notes),
                      recovered)
+
+
+_LAUNCHER_SUCCESS = re.compile(r"worker group successfully finished|WorkerState\.SUCCEEDED|Process \d+ exits successfully")
 
 
 def _merge_stats(scan: ScanResult, keys: list[StreamKey]) -> dict[StreamKey, SlotStats]:
