@@ -40,8 +40,8 @@ from logtriage.analysis.refine import (
     unsent_sigterms,
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
-from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_named_ranks, group_destroyed, oom_on_shared_gpu,
-                                              spawn_report_yields, timer_reaped, unresolved_host)
+from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_named_ranks, group_destroyed,
+                                              oom_on_shared_gpu, spawn_report_yields, timer_reaped, unresolved_host)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
 from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, message_of, output_stopped, stalled_before_stop,
                                         still_retrying, stuck_after_warning, unknown_error_line)
@@ -175,7 +175,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
                      recovered)
 
 
-_LAUNCHER_SUCCESS = re.compile(r"worker group successfully finished|WorkerState\.SUCCEEDED|Process \d+ exits successfully")
+_LAUNCHER_SUCCESS = re.compile(r"worker group successfully finished|WorkerState\.SUCCEEDED|"
+                               r"Process \d+ exits successfully")
 
 
 def _merge_stats(scan: ScanResult, keys: list[StreamKey]) -> dict[StreamKey, SlotStats]:

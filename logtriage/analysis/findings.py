@@ -189,6 +189,9 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
     for hit in sorted([*primary.values(), *extra], key=lambda h: h.seq):
         if scan.block_kinds.get(hit.block_id) == "ignored" and hit.rule.role is not Role.CONTEXT:
             continue   # an exception CPython printed and went on from (a __del__ at exit)
+        if (hit.captures.get("exception_type", "").endswith("Warning")
+                and scan.block_kinds.get(hit.block_id) != "traceback"):
+            continue   # a warning is raised only at a traceback's end; elsewhere it was printed (its path wrapped)
         stream = keys[scan.slots.final(hit.slot)]
         rank, how = stream.rank_or_none, "stream"
         stamp = hit.stamp
@@ -240,8 +243,8 @@ def _best_per_traceback(findings: list[Finding], block_kinds: dict[int, str]) ->
     cascade_lines = {(f.block_id, f.line) for f in findings if f.role is Role.CASCADE_CANDIDATE}
     rooted: dict[int, int] = {}     # block -> the line of its exception read as a root
     for f in findings:
-        if (f.block_id >= 0 and f.is_error and f.role is Role.ROOT_CANDIDATE and block_kinds.get(f.block_id) == "traceback"
-                and (f.block_id, f.line) not in cascade_lines):
+        if (f.block_id >= 0 and f.is_error and f.role is Role.ROOT_CANDIDATE
+                and block_kinds.get(f.block_id) == "traceback" and (f.block_id, f.line) not in cascade_lines):
             rooted[f.block_id] = min(rooted.get(f.block_id, f.line), f.line)
     for f in findings:
         if f.block_id >= 0 and f.is_error and not f.is_teardown and block_kinds.get(f.block_id) in _BLOCK_KINDS_WITH_ONE_EVENT:

@@ -59,7 +59,7 @@ def _odd_one_out_in_progress(root: RootCause, facts: RankFacts) -> RootCause:
     if len(steps) < 3 or len(steps) < len(facts.known) or len(set(steps.values())) != 2:
         return root
     odd = [r for r, s in steps.items() if list(steps.values()).count(s) == 1]
-    if len(odd) != 1 or len(steps) == 2:
+    if len(odd) != 1:
         return root
     rank = odd[0]
     others = next(s for r, s in steps.items() if r != rank)

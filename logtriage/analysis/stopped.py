@@ -12,12 +12,12 @@ from dataclasses import replace
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.hangs import fallback_rule
 from logtriage.analysis.roots import RankFacts, RootCause
+from logtriage.analysis.timestamps import parse_stamp
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
 from logtriage.demux.prefixes import Dialect, strip_prefixes
 from logtriage.demux.streams import StreamKey
 from logtriage.ingest.lines import read_lines
-from logtriage.analysis.timestamps import parse_stamp
 from logtriage.scan import STEP, ScanResult
 
 FINISHED_RULE = "context.run_finished"
@@ -164,6 +164,7 @@ def still_retrying(scan: ScanResult, root: RootCause, findings: list[Finding]) -
 
 
 LAUNCHER_STOP_RULES = frozenset({"launcher.signal_exception", "launcher.interrupted"})
+STOPPED_WHILE_WAITING_RULE = "hang.stopped_while_waiting"
 STALL_SECONDS = 600.0
 _CTRL_C = re.compile(r"^(?:\^C)+")
 
@@ -194,5 +195,3 @@ def stalled_before_stop(scan: ScanResult, root: RootCause, findings: list[Findin
         f"the last output before the stop (line {last[0]}) is stamped {minutes:.0f} minutes earlier, and nothing "
         "failed since: the job had stalled there, and the stop only ended the hang",))
 
-
-STOPPED_WHILE_WAITING_RULE = "hang.stopped_while_waiting"
