@@ -145,7 +145,7 @@ def test_replaced_file_is_read_from_its_start(tmp_path):
     log.write_bytes(b"[rank0]: step 1\n" * 3)
     proc = start(str(log), "--format", "json")
     try:
-        time.sleep(0.8)
+        time.sleep(2.0)    # the follower must have opened the first file (0.8 s was too short on a loaded machine)
         fresh = tmp_path / "new.log"
         fresh.write_bytes(b"[rank4]: step 1\n" * 5 + FAILURE)
         fresh.replace(log)                                             # rotation: a new inode
