@@ -139,6 +139,7 @@ def fallback_rule(rule_id: str, category: Category, title: str) -> Rule:
 
 
 EXIT_STALLED = "hang.exit_stalled"
+FINISHED_RULE = "context.run_finished"
 
 
 def finished_then_stopped(root: RootCause, findings: list[Finding], catalog: Catalog) -> RootCause:
@@ -149,7 +150,7 @@ def finished_then_stopped(root: RootCause, findings: list[Finding], catalog: Cat
     stop = root.finding
     if stop is None or root.rule.category is not Category.EXTERNAL_STOP:
         return root
-    finished = next((f for f in findings if f.rule.id == "context.run_finished" and f.source == stop.source
+    finished = next((f for f in findings if f.rule.id == FINISHED_RULE and f.source == stop.source
                      and f.line < stop.line), None)
     if finished is None or any(f.is_error and not f.is_teardown and f.category is not Category.EXTERNAL_STOP
                                and f.source == stop.source and finished.line < f.line < stop.line

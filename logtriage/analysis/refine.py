@@ -8,6 +8,7 @@ process sat in a wait is the hang someone stopped. Readings of one exception are
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 from logtriage.analysis.findings import SRUN_TASK_NOTICE, Finding
@@ -58,7 +59,8 @@ def _odd_one_out_in_progress(root: RootCause, facts: RankFacts) -> RootCause:
     steps = facts.last_step
     if len(steps) < 3 or len(steps) < len(facts.known) or len(set(steps.values())) != 2:
         return root
-    odd = [r for r, s in steps.items() if list(steps.values()).count(s) == 1]
+    counts = Counter(steps.values())
+    odd = [r for r, s in steps.items() if counts[s] == 1]
     if len(odd) != 1:
         return root
     rank = odd[0]

@@ -13,6 +13,7 @@ from dataclasses import replace
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.roots import RootCause
 from logtriage.catalog.loader import Catalog
+from logtriage.catalog.rule import Category
 from logtriage.rank_ranges import ranges
 
 SPAWN_REPORT_RULE = "launcher.spawn_child_error"
@@ -139,7 +140,7 @@ def dcp_named_ranks(root: RootCause, findings: list[Finding], block_exceptions: 
     `CheckpointException ranks:dict_keys([2])` on all of them (`block_exceptions`: each
     traceback's exception line): the ranks it names are where the load or save failed, whichever
     rank's copy printed first. The root moves to the named rank's own error where it printed one."""
-    if root.rule.category.value != "checkpoint" or root.finding is None:
+    if root.rule.category is not Category.CHECKPOINT or root.finding is None:
         return root
     named_by_block = {b: {int(r) for r in re.findall(r"\d+", m.group(1))}
                       for b, text in block_exceptions.items() if (m := _DCP_RANKS.search(text))}

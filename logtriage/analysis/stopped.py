@@ -10,7 +10,8 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
-from logtriage.analysis.hangs import fallback_rule
+from logtriage.analysis.hangs import FINISHED_RULE, fallback_rule
+from logtriage.analysis.refine import STOPPED_WHILE_WAITING
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.timestamps import parse_stamp
 from logtriage.catalog.loader import Catalog
@@ -20,7 +21,6 @@ from logtriage.demux.streams import StreamKey
 from logtriage.ingest.lines import read_lines
 from logtriage.scan import STEP, ScanResult
 
-FINISHED_RULE = "context.run_finished"
 TailLine = tuple[int, int, str]      # (source, line number, text as read back)
 TAIL_LINES = 40
 MAX_SOURCES = 64     # a folder of per-rank files: the tails of its last files
@@ -164,7 +164,6 @@ def still_retrying(scan: ScanResult, root: RootCause, findings: list[Finding]) -
 
 
 LAUNCHER_STOP_RULES = frozenset({"launcher.signal_exception", "launcher.interrupted"})
-STOPPED_WHILE_WAITING_RULE = "hang.stopped_while_waiting"
 STALL_SECONDS = 600.0
 _CTRL_C = re.compile(r"^(?:\^C)+")
 
@@ -188,8 +187,8 @@ def stalled_before_stop(scan: ScanResult, root: RootCause, findings: list[Findin
     if any(f.is_error and not f.is_teardown and f.category is not Category.EXTERNAL_STOP
            and f.source == stop.source and last[0] <= f.line < stop.line for f in findings):
         return root
-    rule = catalog.get(STOPPED_WHILE_WAITING_RULE) or fallback_rule(
-        STOPPED_WHILE_WAITING_RULE, Category.HANG, "Stopped while waiting: the run had hung")
+    rule = catalog.get(STOPPED_WHILE_WAITING) or fallback_rule(
+        STOPPED_WHILE_WAITING, Category.HANG, "Stopped while waiting: the run had hung")
     minutes = (end.seconds - begin.seconds) / 60
     return replace(root, rule=rule, confidence=min(root.confidence, 0.45), reasons=root.reasons + (
         f"the last output before the stop (line {last[0]}) is stamped {minutes:.0f} minutes earlier, and nothing "
