@@ -91,6 +91,11 @@ def fault_at_step3(rank: int, world: int, model, hit: bool, state: dict) -> None
             state["act"] = out.abs().mean(0).item()  # meant .mean(), not .mean(0)
         model.module.body.register_forward_hook(log_act)
         say(rank, "activation logging enabled")
+    if a.fault == "save_lambda" and hit:
+        model.module.warmup = lambda s: min(1.0, s / 100)  # the schedule stored on the module
+        path = f"/tmp/fault13_step2_rank{rank}.pt"
+        say(rank, f"saving full model to {path}")
+        torch.save(model.module, path)  # the whole module, not its state_dict
     if a.fault == "json_tensor" and hit:
         path = f"/tmp/fault13_metrics_rank{rank}.json"
         say(rank, f"writing metrics to {path}")
