@@ -315,6 +315,21 @@ def test_a_file_system_error_inside_a_checkpoint_save_is_a_checkpoint_failure(tm
     assert again["root_cause"]["category"] == "python_exception"
 
 
+def test_pickle_refusing_an_object_inside_torch_save_is_the_saves_failure(tmp_path):
+    # sample_logs/cpu_adhoc/save_lambda_*: torch.save of a whole module holding a lambda; the same
+    # error from all_gather_object (pickle_np3_r1_tee) is the script's, not a checkpoint's
+    frames = ('[rank3]: Traceback (most recent call last):\n'
+              '[rank3]:   File "/tmp/job/train.py", line 98, in step\n'
+              '[rank3]:   File "/tmp/venv/lib/python3.11/site-packages/torch/{path}", line 1003, in {func}\n'
+              "[rank3]: AttributeError: Can't pickle local object 'step.<locals>.<lambda>'\n")
+    log = tmp_path / "p.log"
+    rc = _report(log, frames.format(path="serialization.py", func="save"))["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["rank"], rc["exception_type"]) == (
+        "checkpoint", "ckpt.save_refused", 3, "AttributeError")
+    rc = _report(log, frames.format(path="distributed/distributed_c10d.py", func="all_gather_object"))["root_cause"]
+    assert (rc["category"], rc["rule_id"]) == ("python_exception", "python.exception")
+
+
 def test_an_abort_after_the_watchdogs_dump_signal_is_the_timeouts_teardown(tmp_path):
     # ProcessGroupNCCL's texts (torch 2.4+, ProcessGroupNCCL.cpp): rank 3 detected the timeout,
     # rank 1 was told to dump and then terminated; nothing names the rank that hung

@@ -1,6 +1,6 @@
 """Second readings of a root that is an exception: what the frame that raised it says (a
 file-system error in a checkpoint's save or load, or on a checkpoint's path, is that checkpoint's
-failure; a division by zero in OpenMMLab's init_dist is "no GPU visible"; a spawn child's EOFError
+failure, and so is pickle refusing an object inside a save; a division by zero in OpenMMLab's init_dist is "no GPU visible"; a spawn child's EOFError
 is its parent's pickling failure; a DataLoader worker's CUDA initialization error is CUDA after
 fork; a ValueError in torchrun's option parsing is a usage error; a JSONDecodeError is a banner in
 front of a probe's output only where there is a banner), and what a worker's error file in the
@@ -33,6 +33,8 @@ _INSTALLED_PACKAGE = re.compile(r"[/\\](?:site|dist)-packages[/\\]([A-Za-z_]\w*)
 # a path the error names that is a checkpoint's (`'out/tmp-checkpoint-x' -> 'out/checkpoint-100'`)
 _CHECKPOINT_PATH = re.compile(r"'[^']*(?:checkpoint|ckpt)[^']*'", re.IGNORECASE)
 _MISSING_PATH = re.compile(r"is not a valid (?:directory|file|path)|does not exist|(?:not found|No such file)\b")
+# pickle refusing an object (a lambda, a local class, an open file): inside a save, the save's failure
+_UNPICKLABLE = re.compile(r"Can't pickle|cannot pickle|Can't get local object")
 
 
 def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
@@ -52,6 +54,8 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
         rule_id = "ckpt.not_found" if kind == "FileNotFoundError" and loading else "ckpt.io_error"
     elif kind == "ValueError" and f.checkpoint_frame and _MISSING_PATH.search(f.text):
         rule_id = "ckpt.not_found"   # the checkpointer's own check of its path (torchtune's get_path)
+    elif f.checkpoint_frame and not loading and _UNPICKLABLE.search(f.text):
+        rule_id = "ckpt.save_refused"   # torch.save of a whole module holding a lambda
     else:
         return root
     rule = catalog.get(rule_id) or fallback_rule(rule_id, Category.CHECKPOINT, "A checkpoint's file operation failed")
