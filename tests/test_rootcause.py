@@ -1338,3 +1338,21 @@ def test_ray_trains_run_report_yields_to_the_workers_own_error_under_it(tmp_path
                               "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a "
                               "total capacity of 79.15 GiB of which 1.02 GiB is free."))["root_cause"]
     assert (rc["rule_id"], rc["category"]) == ("cuda.oom", "gpu_oom")
+
+
+def test_terabytes_asked_for_inside_an_object_collective_are_a_mismatch_not_host_memory(tmp_path):
+    # sample_logs/cpu_adhoc/bol_len_*: one rank's broadcast_object_list had a longer list, so it read
+    # a size out of the others' pickled bytes; a plausible size there stays host memory
+    frames = ('[rank3]: Traceback (most recent call last):\n'
+              '[rank3]:   File "/tmp/job/train.py", line 61, in step\n'
+              '[rank3]:     dist.broadcast_object_list(objs, src=0)\n'
+              '[rank3]:   File "/tmp/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", '
+              'line 4039, in {func}\n'
+              '[rank3]: RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: '
+              "can't allocate memory: you tried to allocate {size} bytes. Error code 12 (Cannot allocate memory)\n")
+    log = tmp_path / "b.log"
+    rc = _report(log, frames.format(func="broadcast_object_list", size=140027976474774))["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["rank"]) == ("collective_mismatch", "dist.collective_mismatch", 3)
+    for func, size in (("broadcast_object_list", 34359738368), ("all_reduce", 140027976474774)):
+        rc = _report(log, frames.format(func=func, size=size))["root_cause"]
+        assert (rc["category"], rc["rule_id"]) == ("host_oom", "host.cpu_alloc")

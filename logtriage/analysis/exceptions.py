@@ -73,6 +73,11 @@ SPAWN_CHILD_FRAME = "_main"
 # a DataLoader worker's exception, re-raised by the main process (`Caught RuntimeError in DataLoader
 # worker process 0.`): workers are forked by default on Linux
 _LOADER_WORKER = re.compile(r"\bin DataLoader worker process \d+")
+# the object collectives send a size first, then the pickled bytes: a rank that joined another
+# call (a list of another length, another collective) reads a size out of someone else's data
+OBJECT_COLLECTIVES = frozenset({"broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+                                "send_object_list", "recv_object_list"})
+GARBAGE_SIZE_BYTES = 1 << 40   # 1 TiB asked for one object's buffer: no pickled object is that large
 # a full or over-quota file system, as any writer reports it (torch.save's own words name the save)
 _DISK_FULL = re.compile(r"No space left on device|Disk quota exceeded")
 
@@ -83,7 +88,8 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
     `_main` is the parent failing to send the process's state (a pickling error), not a truncated
     checkpoint; a full disk with no checkpoint frame is the file system's, not a checkpoint's; CUDA's
     `initialization error` in a DataLoader worker is CUDA used in a forked child; a ValueError in
-    torchrun's own option parsing is a bad launcher option."""
+    torchrun's own option parsing is a bad launcher option; a host allocation of terabytes inside an
+    object collective is a size read out of another call's data (the ranks' calls do not match)."""
     f = root.finding
     if f is None:
         return root
@@ -109,6 +115,12 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
         rule, why = catalog.get("env.package_api_missing"), (
             f"the missing attribute is looked up in the installed package `{caller}`, not in "
             "the job's own code: that package was written for another version of the module it calls")
+    elif (root.rule.id == "host.cpu_alloc" and f.collective in OBJECT_COLLECTIVES
+          and int(f.captures.get("bytes") or 0) >= GARBAGE_SIZE_BYTES):
+        rule, why = catalog.get("dist.collective_mismatch"), (
+            f"`{f.collective}` asked for {int(f.captures['bytes']) / (1 << 40):,.0f} TiB for one object's buffer: "
+            "the size it received was not a size, so the ranks' object collectives did not line up (another list "
+            "length, another call)")
     elif root.rule.id == "ckpt.write_failed" and f.last_frame and not f.checkpoint_frame and _DISK_FULL.search(f.text):
         rule, why = catalog.get("host.filesystem_error"), (
             f"the disk filled up in `{f.last_frame}`, outside any checkpoint code (no save frame): another "
