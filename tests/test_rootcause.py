@@ -1356,3 +1356,31 @@ def test_terabytes_asked_for_inside_an_object_collective_are_a_mismatch_not_host
     for func, size in (("broadcast_object_list", 34359738368), ("all_reduce", 140027976474774)):
         rc = _report(log, frames.format(func=func, size=size))["root_cause"]
         assert (rc["category"], rc["rule_id"]) == ("host_oom", "host.cpu_alloc")
+
+
+def test_the_pin_memory_threads_re_raise_yields_to_its_original_error(tmp_path):
+    # torch/_utils.py ExceptionWrapper, where="in pin memory thread for device 0" (gaps31 row 34)
+    log = tmp_path / "pin.log"
+    rc = _report(log, "[rank1]: Traceback (most recent call last):\n"
+                      '[rank1]:   File "/env/torch/_utils.py", line 794, in reraise\n'
+                      "[rank1]:     raise exception\n"
+                      "[rank1]: RuntimeError: Caught RuntimeError in pin memory thread for device 0.\n"
+                      "[rank1]: Original Traceback (most recent call last):\n"
+                      '[rank1]:   File "/env/torch/utils/data/_utils/pin_memory.py", line 79, in pin_memory\n'
+                      "[rank1]:     return data.pin_memory(device)\n"
+                      "[rank1]: TypeError: cannot pin 'torch.cuda.FloatTensor' only dense CPU tensors can be pinned\n"
+                 )["root_cause"]
+    assert (rc["exception_type"], rc["rank"], rc["line"]) == ("TypeError", 1, 8)
+
+
+def test_a_threads_error_as_the_interpreter_shuts_down_is_not_the_runs_failure(tmp_path):
+    # wandb's system monitor submitting work at exit (gaps31 row 64): a finished run stays ok
+    thread = ("[rank1]: Exception in thread Thread-2 (_monitor):\n[rank1]: Traceback (most recent call last):\n"
+              '[rank1]:   File "/env/wandb/sdk/internal/system/assets/interfaces.py", line 168, in _monitor\n'
+              "[rank1]:     self._pool.submit(self.sample)\n"
+              "[rank1]: RuntimeError: cannot schedule new futures after interpreter shutdown\n")
+    log = tmp_path / "t.log"
+    report = _report(log, "[rank0]: step 200 loss 2.1\n[rank0]: training finished\n" + thread
+                     + "I1201 10:05:00.000000 1234 torch/distributed/elastic/agent/server/api.py:879] [default] "
+                       "worker group successfully finished. Waiting 300 seconds for other agents to finish.\n")
+    assert (report["verdict"], report["root_cause"]) == ("ok", None)

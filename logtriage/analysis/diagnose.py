@@ -107,7 +107,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is None:
         root = hangup_forwarded(findings, catalog)
     if root is None:
-        root = _unrecognised_exception(scan, keys, catalog)
+        context_lines = {(f.source, f.line) for f in findings if f.rule.role is Role.CONTEXT}
+        root = _unrecognised_exception(scan, keys, catalog, context_lines)
     if root is None and (failures or "traceback" in scan.block_kinds.values()):
         root = warning_root(findings)
     if root is None and failures:
@@ -239,9 +240,11 @@ def _exit_only_root(failures: list[ChildFailure], catalog: Catalog) -> RootCause
                      (f"rank {first.rank} exited with code {first.exitcode}; its output holds no error",))
 
 
-def _unrecognised_exception(scan: ScanResult, keys: list[StreamKey], catalog: Catalog) -> RootCause | None:
+def _unrecognised_exception(scan: ScanResult, keys: list[StreamKey], catalog: Catalog,
+                            context_lines: set[tuple[int, int]]) -> RootCause | None:
     """A traceback whose exception no rule knows (a type without an Error/Exception suffix): the
-    last such exception of a worker is the report, never an empty one for a failed run."""
+    last such exception of a worker is the report, never an empty one for a failed run. An
+    exception a context rule reads (a thread's error as the interpreter shuts down) is not one."""
     for block_id in sorted(scan.block_exception_lines, reverse=True):
         slot = scan.block_slots.get(block_id)
         exception = scan.block_exceptions.get(block_id, "")
@@ -251,6 +254,8 @@ def _unrecognised_exception(scan: ScanResult, keys: list[StreamKey], catalog: Ca
         if stream.kind is StreamKind.LAUNCHER:
             continue
         source, line = scan.block_exception_lines[block_id]
+        if (source, line) in context_lines:
+            continue
         name = exception.split(":", 1)[0].strip()
         rule = catalog.get("python.exception") or fallback_rule("python.exception", Category.PYTHON_EXCEPTION,
                                                                 "Unhandled Python exception")

@@ -27,8 +27,10 @@ from logtriage.demux.streams import StreamKind
 FALLBACK_RULE = "context.fallback"
 FALLBACK_REACH = 3   # input lines after an error within which such a line is its recovery
 EXIT_RULE = "signal.exit_nonzero"   # a worker's exit code, and nothing else about it
-# a process re-raising what its DataParallel replica or DataLoader worker raised
-_RERAISE = re.compile(r"\bCaught \w+ in (?:replica \d+ on device \d+|DataLoader worker process \d+)\.?\s*$")
+# a process re-raising what its DataParallel replica, DataLoader worker or pin-memory thread raised
+# (torch's ExceptionWrapper; "in background" is its default)
+_RERAISE = re.compile(r"\bCaught \w+ in (?:replica \d+ on device \d+|DataLoader worker process \d+"
+                      r"|pin memory thread for device \d+|background)\.?\s*$")
 RERAISE_REACH = 200   # input lines after the re-raise within which its original traceback ends
 
 
