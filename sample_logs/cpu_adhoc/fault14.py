@@ -111,6 +111,18 @@ def fault_at_step3(rank: int, world: int, model, hit: bool, state: dict) -> None
             say(rank, f"child summed {t[0].item():.0f}")
             os._exit(0)
         os.waitpid(pid, 0)
+    if a.fault == "cat_empty":
+        shard = list(range(rank, 6, world)) if not hit else []  # this rank's eval shard came out empty
+        say(rank, f"eval shard has {len(shard)} batches")
+        feats = [model.module(torch.randn(4, 8)).detach() for _ in shard]
+        state["feats"] = torch.cat(feats).mean().item()
+    if a.fault == "numpy_grad" and hit:
+        say(rank, "dumping head weights for the dashboard")
+        state["w"] = model.module.head.weight.numpy()  # needs .detach()
+    if a.fault == "exit_msg" and hit:
+        free_gb = 0.4  # this rank's scratch volume reported nearly full
+        say(rank, f"scratch space check: {free_gb} GB free")
+        sys.exit(f"fault14: rank {rank} aborting, scratch volume has only {free_gb} GB free (need 2 GB)")
 
 
 def main(rank: int = -1, world: int = 0) -> None:
