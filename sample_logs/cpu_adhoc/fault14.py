@@ -123,6 +123,17 @@ def fault_at_step3(rank: int, world: int, model, hit: bool, state: dict) -> None
         free_gb = 0.4  # this rank's scratch volume reported nearly full
         say(rank, f"scratch space check: {free_gb} GB free")
         sys.exit(f"fault14: rank {rank} aborting, scratch volume has only {free_gb} GB free (need 2 GB)")
+    if a.fault == "prefix_keys" and hit:
+        path = f"/tmp/fault14_ema_rank{rank}.pt"
+        torch.save(model.state_dict(), path)  # the DDP wrapper's state_dict: keys start with module.
+        say(rank, f"restoring EMA copy from {path}")
+        ema = Net()
+        ema.load_state_dict(torch.load(path))
+    if a.fault == "hook_twice" and hit:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        say(rank, "enabling gradient compression for the rest of training")
+        model.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)  # the default's behaviour, a new hook
+        model.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
 
 
 def main(rank: int = -1, world: int = 0) -> None:
