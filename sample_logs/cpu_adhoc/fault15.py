@@ -76,8 +76,9 @@ def fault_at_step3(rank: int, world: int, model, hit: bool, state: dict) -> None
         say(rank, "waiting for prefetched eval batch")
         state["eval_x"] = q.get(timeout=2)
     if a.fault == "recursion_low" and hit:
-        sys.setrecursionlimit(40)  # set for a flat config walk, too low for anything else
-        say(rank, "recursion limit lowered to 40")
+        sys.setrecursionlimit(30)  # set for a flat config walk, too low for anything else
+        say(rank, "recursion limit lowered to 30; saving step-2 weights")
+        torch.save(model.module.state_dict(), f"/tmp/fault15_weights_rank{rank}.pt")
     if a.fault == "detail_dtype":
         t = torch.ones(64, dtype=torch.float64 if hit else torch.float32)
         say(rank, "all-reducing eval counters")
