@@ -1,5 +1,5 @@
 """A fifteenth hand-run batch of faults that are not triage inject scenarios (nor in fault.py-fault14.py)."""
-import argparse, contextlib, datetime, os, queue, shutil, signal, sys, threading, time
+import argparse, contextlib, dataclasses, datetime, os, queue, shutil, signal, sys, threading, time
 import torch, torch.distributed as dist
 import torch.nn as nn
 
@@ -55,7 +55,23 @@ def make_planner(hit: bool):
     return ShardFilterPlanner()
 
 
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    every: int = 2
+    batch: int = 16
+
+
 def fault_at_step3(rank: int, world: int, model, hit: bool, state: dict) -> None:
+    if a.fault == "frozen_config":
+        cfg = EvalConfig()
+        if hit:
+            say(rank, "halving eval batch for this rank's smaller memory")
+            cfg.batch = cfg.batch // 2  # the config is frozen
+        state["cfg"] = cfg
+    if a.fault == "bf16_numpy" and hit:
+        say(rank, "exporting bf16 head weights for the dashboard")
+        w = model.module.head.weight.detach().to(torch.bfloat16)
+        state["w"] = w.numpy()
     if a.fault == "dcp_planner":
         from torch.distributed import checkpoint as dcp
         path = "/tmp/fault15_dcp"
