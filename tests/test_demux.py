@@ -189,3 +189,34 @@ def test_a_scripts_own_progress_print_that_starts_with_its_rank_is_that_ranks(tm
     assert [_stream_of(run, n).rank_or_none for n in range(1, 7)] == [4, 3, 2, 1, None, None]
     assert run.diagnosis.streams and {s.key.rank: s.last_step for s in run.diagnosis.streams
                                       if s.key.rank is not None}[4] == 1
+
+
+_GROUP_SCRIPT = """
+def inner():
+    raise ExceptionGroup("shards", [KeyError("input_ids")])
+try:
+    inner()
+except* KeyError as group:
+    raise ExceptionGroup("loader failed", [ValueError("shard 3 is empty"), group.exceptions[0]])
+"""
+
+
+def test_an_exception_groups_margin_is_read_as_tracebacks(tmp_path):
+    # CPython's own rendering (`  + Exception Group Traceback`, `  | `, `  +-+---- 1 ----`), as a
+    # rank prints it, a group re-raised while handling another: the root is the first group's
+    # sub-exception, the original error of the chain, on its own line (gaps31 rows 13-17, 70-71)
+    import subprocess
+    import sys
+
+    from logtriage.demux.clean import ungrouped
+    printed = subprocess.run([sys.executable, "-c", _GROUP_SCRIPT], capture_output=True, text=True).stderr
+    assert "+ Exception Group Traceback" in printed
+    log = tmp_path / "g.log"
+    log.write_text("".join(f"[rank1]:{line}\n" for line in printed.splitlines()))
+    report = run_triage([str(log)]).report.to_dict()
+    rc = report["root_cause"]
+    assert (rc["category"], rc["rank"], rc["exception_type"]) == ("python_exception", 1, "KeyError")
+    assert rc["line"] == _line_of(log, "KeyError: 'input_ids'")
+    # a table drawn with `|` (Lightning's model summary) is not an exception group
+    for row in ("  | Name  | Type   | Params | Mode", "  | Total params: 1.2 M"):
+        assert ungrouped(row) == row

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from logtriage.demux import blocks as B
 from logtriage.demux import launcher as L
-from logtriage.demux.clean import after_bar
+from logtriage.demux.clean import after_bar, ungrouped
 from logtriage.demux.frames import FRAME, TracebackFacts, watch_traceback_line
 from logtriage.demux.prefixes import Dialect, line_prefix_end, strip_prefixes
 from logtriage.demux.split import split_glued
@@ -117,6 +117,8 @@ class Assigner:
         text = p.text
         if "/s]" in text or "/it]" in text:     # a progress bar with a message glued after it
             text = after_bar(text)
+        if text[:1] in " +|" and ("| " in text or "+-" in text or "+ E" in text):   # an exception group's margin
+            text = ungrouped(text)
         if "ray" in p.layers:
             self.facts.ray_workers = True
         self._settle_pending_rule(text)

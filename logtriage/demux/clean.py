@@ -79,3 +79,29 @@ def after_bar(part: str) -> str:
     and the message written after it arrive as one line behind the stream's prefix."""
     m = _BAR_THEN_TEXT.search(part)
     return part[m.end():] if m else part
+
+
+# CPython 3.11+ prints an exception group inside a margin: `  + Exception Group Traceback (most
+# recent call last):`, `  | ` before each of its lines, `  +-+---- 1 ----` between sub-exceptions
+# (deeper for nested groups). Without the margin it reads as a traceback with more after it.
+_GROUP_HEAD = re.compile(r"^\s*[+|] (?:\| )*Exception Group Traceback \(most recent call last\):\s*$")
+_GROUP_RULE = re.compile(r"^\s*(?:\| )*\+(?:-\+)?-{4,}(?: (?:\d+|\.\.\.[^-]*) -+)?\s*$")
+_GROUP_MARGIN = re.compile(r"^\s*(?:\| )+")
+# what may follow the margin: a traceback's own grammar (a table drawn with `|` stays as it is)
+_TRACEBACK_GRAMMAR = re.compile(
+    r"Traceback \(most recent call last\):|\s{2,}\S|[A-Za-z_][\w.]*(?:Error|Exception|Group|Interrupt|Exit|Warning)"
+    r"(?::|\s*$)|\s*$")
+GROUP_TRACEBACK_START = "Traceback (most recent call last):"
+
+
+def ungrouped(text: str) -> str:
+    """An exception group's line without its margin (the header as a traceback's start, a
+    separator as a blank line); any other line as it is."""
+    if _GROUP_HEAD.match(text):
+        return GROUP_TRACEBACK_START
+    if _GROUP_RULE.match(text):
+        return ""
+    margin = _GROUP_MARGIN.match(text)
+    if margin and _TRACEBACK_GRAMMAR.match(text, margin.end()):
+        return text[margin.end():]
+    return text

@@ -662,8 +662,8 @@ def classify(buf, rank_hint, labels, starts, messages, ranks, flags, cuts, ranks
                 flag = NOT_PLAIN   # empty message, a continuation (or an indented paste), or a `]:` glued inside the message
         if flag == 0:
             first = buf[c]
-            if first == 43 or first == 42 or first == 61 or first == 45 or first == 60:
-                flag = NOT_PLAIN  # shell `+ `, banners `***`/`===`, `-- Process`, `----`, `<...>`
+            if first == 43 or first == 42 or first == 61 or first == 45 or first == 60 or first == 124:
+                flag = NOT_PLAIN  # shell `+ `, banners `***`/`===`, `-- Process`, `----`, `<...>`, a group's `| `
             elif (first == 73 or first == 87 or first == 69 or first == 67) and c + 5 < end \
                     and _is_digit(buf[c + 1]) and _is_digit(buf[c + 2]) and _is_digit(buf[c + 3]) \
                     and _is_digit(buf[c + 4]) and buf[c + 5] == 32:
