@@ -571,6 +571,11 @@ def test_dcp_names_the_rank_whose_load_failed_on_every_rank(tmp_path):
     rc = _report(log, "".join(rank_block(r) for r in (0, 1, 3, 2)))["root_cause"]
     assert (rc["category"], rc["rule_id"], rc["rank"], rc["ranks"], rc["line"]) == (
         "checkpoint", "ckpt.size_mismatch", 2, [2], 32)
+    # under mp.spawn no copy carries a rank (sample_logs/cpu_adhoc/dcp_planner_np5_r4_spawn): the name stands
+    bare = "".join("Process SpawnProcess-%d:\n" % (r + 1) + rank_block(r).replace(f"[rank{r}]: ", "")
+                   for r in (0, 1, 3, 2))
+    rc = _report(log, bare)["root_cause"]
+    assert (rc["category"], rc["rank"], rc["ranks"]) == ("checkpoint", 2, [2])
 
 
 def test_a_store_client_still_retrying_when_the_log_ends_is_a_hang(tmp_path):

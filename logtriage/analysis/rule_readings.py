@@ -146,8 +146,9 @@ def dcp_named_ranks(root: RootCause, findings: list[Finding], block_exceptions: 
                       for b, text in block_exceptions.items() if (m := _DCP_RANKS.search(text))}
     named = set().union(*named_by_block.values()) if named_by_block else set()
     reporters = {f.rank for f in findings if f.block_id in named_by_block and f.rank is not None}
-    if not named or not reporters - named or (root.rank in named and len(named) == 1 and root.ranks == (root.rank,)):
-        return root    # nothing named, or only the failing ranks reported
+    if not named or (reporters and not reporters - named) or (
+            root.rank in named and len(named) == 1 and root.ranks == (root.rank,)):
+        return root    # nothing named, or only the failing ranks reported (no rank at all: mp.spawn's children)
     first = min(named)
     own = next((f for f in findings if f.rank == first and f.rule.id == root.rule.id), root.finding)
     return replace(root, finding=own, rank=first if len(named) == 1 else None, ranks=tuple(sorted(named)),
