@@ -572,7 +572,7 @@ def test_dcp_names_the_rank_whose_load_failed_on_every_rank(tmp_path):
     assert (rc["category"], rc["rule_id"], rc["rank"], rc["ranks"], rc["line"]) == (
         "checkpoint", "ckpt.size_mismatch", 2, [2], 32)
     # under mp.spawn no copy carries a rank (sample_logs/cpu_adhoc/dcp_planner_np5_r4_spawn): the name stands
-    bare = "".join("Process SpawnProcess-%d:\n" % (r + 1) + rank_block(r).replace(f"[rank{r}]: ", "")
+    bare = "".join(f"Process SpawnProcess-{r + 1}:\n" + rank_block(r).replace(f"[rank{r}]: ", "")
                    for r in (0, 1, 3, 2))
     rc = _report(log, bare)["root_cause"]
     assert (rc["category"], rc["rank"], rc["ranks"]) == ("checkpoint", 2, [2])

@@ -1,10 +1,11 @@
 """Second readings of a root that is an exception: what the frame that raised it says (a
 file-system error in a checkpoint's save or load, or on a checkpoint's path, is that checkpoint's
-failure, and so is pickle refusing an object inside a save; a division by zero in OpenMMLab's init_dist is "no GPU visible"; a spawn child's EOFError
-is its parent's pickling failure; a DataLoader worker's CUDA initialization error is CUDA after
-fork; a ValueError in torchrun's option parsing is a usage error; a JSONDecodeError is a banner in
-front of a probe's output only where there is a banner), and what a worker's error file in the
-launcher's summary says when nothing else does."""
+failure, and so is pickle refusing an object inside a save; a division by zero in OpenMMLab's
+init_dist is "no GPU visible"; a spawn child's EOFError is its parent's pickling failure; a
+DataLoader worker's CUDA initialization error is CUDA after fork; a ValueError in torchrun's option
+parsing is a usage error; a JSONDecodeError is a banner in front of a probe's output only where
+there is a banner; terabytes asked for inside an object collective are a mismatch), and what a
+worker's error file in the launcher's summary says when nothing else does."""
 
 from __future__ import annotations
 
