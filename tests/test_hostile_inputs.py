@@ -132,6 +132,12 @@ def test_overlong_line_is_bounded_and_offsets_stay_exact():
     assert tee.getvalue() == data                        # stdin's spool is byte-exact
 
 
+# runs argv[2:] and writes that process's own peak RSS (KiB) to argv[1]; exits with its code
+_PEAK_WRAPPER = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[2:]); "
+                 "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
+                 "sys.exit(code)")
+
+
 def test_hundred_megabyte_line(tmp_path):
     path = tmp_path / "huge_line.log"
     with path.open("wb") as out:
@@ -140,16 +146,20 @@ def test_hundred_megabyte_line(tmp_path):
         for _ in range((100 << 20) // len(chunk)):
             out.write(chunk)
         out.write(b"}\n[rank1]: Traceback (most recent call last):\n[rank1]: RuntimeError: boom\n")
+    # The peak is read by a small wrapper process: a child's ru_maxrss starts at its parent's size
+    # (the pages it had when it was forked), so measured from pytest, late in a long session, it
+    # would report pytest's own memory rather than triage's.
+    peak_file = tmp_path / "peak_kb"
     started = time.monotonic()
     with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "logtriage", str(path), "--format", "json"],
-                                stdout=stdout, stderr=stderr, env=environment(), cwd=ROOT)
-        _, status, usage = os.wait4(proc.pid, 0)     # this run's own peak, not the session's largest child
+        proc = subprocess.run([sys.executable, "-c", _PEAK_WRAPPER, str(peak_file),
+                               sys.executable, "-m", "logtriage", str(path), "--format", "json"],
+                              stdout=stdout, stderr=stderr, env=environment(), cwd=ROOT, check=False)
         elapsed = time.monotonic() - started
         stdout.seek(0)
         stderr.seek(0)
-        out = Outcome(os.waitstatus_to_exitcode(status), stdout.read(), stderr.read())
-    peak_mb = usage.ru_maxrss / 1024
+        out = Outcome(proc.returncode, stdout.read(), stderr.read())
+    peak_mb = int(peak_file.read_text()) / 1024
     assert_clean_exit(out)
     assert out.code == 0 and b'"input_lines": 4' in out.stdout and b'"rank": 1' in out.stdout
     assert elapsed < 60, elapsed

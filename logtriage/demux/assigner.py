@@ -19,12 +19,13 @@ from logtriage.demux.split import split_glued
 from logtriage.demux.streams import SlotTable, StreamKind
 
 PROBE = re.compile(r"^([A-Z][A-Z0-9_]*_JSON)=(.*)$")
+# ASCII classes (`\b`, `\s`) as the fast-scan kernel reads bytes: `rank:0é` names rank 0 in both
 _RANK_MARKERS = (
-    re.compile(r"\[\s*(?:global[_ ])?rank\s*[:=#]?\s*(\d{1,9})\s*(?:/\s*\d+\s*)?\]", re.IGNORECASE),
-    re.compile(r"(?:^|[\s,(|])(?:global_)?rank\s*[=:]\s*(\d{1,9})\b", re.IGNORECASE),
+    re.compile(r"\[\s*(?:global[_ ])?rank\s*[:=#]?\s*(\d{1,9})\s*(?:/\s*\d+\s*)?\]", re.IGNORECASE | re.ASCII),
+    re.compile(r"(?:^|[\s,(|])(?:global_)?rank\s*[=:]\s*(\d{1,9})\b", re.IGNORECASE | re.ASCII),
     # and a script's own progress print that starts with its rank (`rank 3 step 12 loss 0.41`)
     re.compile(r"^\s*rank\s*(\d{1,9})(?:\s*[:|\]]|\s+(?:step|epoch|iter|iteration|loss|batch|done|finished)\b)",
-               re.IGNORECASE),
+               re.IGNORECASE | re.ASCII),
 )
 # (NCCL's result codes under a DistBackendError, `ncclInternalError: Internal check failed.`, are
 # part of its message, not exceptions)
