@@ -68,6 +68,21 @@ def batches(shard):
         yield next(it)  # an exhausted shard ends the generator the wrong way
 
 
+class GradProbe(torch.autograd.Function):
+    """Identity; in backward optionally syncs all ranks before logging gradient stats."""
+
+    @staticmethod
+    def forward(ctx, x, sync):
+        ctx.sync = sync
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.sync:
+            dist.barrier()  # debug sync left in; only this rank's probe has it on
+        return g, None
+
+
 def fault_at_step3(rank, world, model, hit, state, batch):
     """Runs before step 3's forward; returns the (possibly changed) batch."""
     if a.fault == "legacy_mmap" and hit:
@@ -106,6 +121,9 @@ def fault_at_step3(rank, world, model, hit, state, batch):
         gen = batches([torch.randn(16, 8), torch.randn(16, 8)])  # two batches; this loop needs three
         for _ in range(3):
             state["hard"] = next(gen)
+    if a.fault == "leaf_inplace" and hit:
+        say(rank, "adding exploration noise to head weights")
+        model.module.head.weight.add_(torch.randn_like(model.module.head.weight) * 1e-3)  # outside no_grad
     return batch
 
 
@@ -131,6 +149,8 @@ def main(rank: int = -1, world: int = 0) -> None:
         opt.zero_grad()
         x = batch["x"] * batch["mask"]
         out = model(x)
+        if a.fault == "sync_in_backward":
+            out = GradProbe.apply(out, hit and step >= 3)
         loss = F.cross_entropy(out, batch["y"])
         loss.backward()
         if a.fault == "backward_twice" and hit and step == 3:
