@@ -1389,3 +1389,58 @@ def test_a_threads_error_as_the_interpreter_shuts_down_is_not_the_runs_failure(t
                      + "I1201 10:05:00.000000 1234 torch/distributed/elastic/agent/server/api.py:879] [default] "
                        "worker group successfully finished. Waiting 300 seconds for other agents to finish.\n")
     assert (report["verdict"], report["root_cause"]) == ("ok", None)
+
+
+def test_one_rank_alone_in_a_collective_while_all_others_are_elsewhere_took_the_other_path(tmp_path):
+    # sample_logs/cpu_adhoc/new_group_partial_*: rank 2 skipped a new_group the others entered, went
+    # on to DDP's all-reduce and timed out there alone; the three others were SIGTERMed in new_group
+    steps = "".join(f"[rank{r}]: rank {r} step 2 loss 1.0\n" for r in range(4))
+    timeout = ("[rank{r}]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+               "Timed out waiting 15000ms for recv operation to complete\n")
+    log = tmp_path / "g.log"
+    rc = _report(log, steps + timeout.format(r=2))["root_cause"]
+    assert (rc["category"], rc["rank"], rc["ranks"]) == ("collective_timeout", 2, [2])
+    # two waiting ranks and two elsewhere: no lone rank; rank 0, among the absent, as before
+    rc = _report(log, steps + timeout.format(r=2) + timeout.format(r=3))["root_cause"]
+    assert (rc["rank"], rc["ranks"]) == (0, [0, 1])
+
+
+def test_storage_errors_of_any_type_inside_a_checkpoint_frame_are_the_checkpoints(tmp_path):
+    # docs/research/gaps34.md rows 9 and 58: torch 1.x's RuntimeError for EIO inside a save
+    # (pytorch/pytorch#10577), an object store's 404 for the checkpoint a resume loads
+    frames = ('[rank1]: Traceback (most recent call last):\n'
+              '[rank1]:   File "/workspace/train.py", line 88, in {func}\n'
+              '[rank1]:     {code}\n'
+              "[rank1]: {error}\n")
+    log = tmp_path / "s.log"
+    rc = _report(log, frames.format(func="save_checkpoint", code="torch.save(state, path)",
+                                    error="RuntimeError: write(): fd 29 failed with Input/output error"))["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["rank"]) == ("checkpoint", "ckpt.io_error", 1)
+    missing = ("botocore.exceptions.ClientError: An error occurred (404) when calling the HeadObject operation: "
+               "Not Found")
+    rc = _report(log, frames.format(func="load_checkpoint", code="s3.download_file(bucket, key, local)",
+                                    error=missing))["root_cause"]
+    assert (rc["category"], rc["rule_id"]) == ("checkpoint", "ckpt.not_found")
+    # the store refusing the credentials is the environment's, wherever it happens
+    refused = ("botocore.exceptions.ClientError: An error occurred (AccessDenied) when calling the PutObject "
+               "operation: Access Denied")
+    rc = _report(log, frames.format(func="save_checkpoint", code="s3.upload_file(local, bucket, key)",
+                                    error=refused))["root_cause"]
+    assert (rc["category"], rc["rule_id"]) == ("environment", "env.object_store")
+    rc = _report(log, frames.format(func="build_dataset", code="lmdb.open(path)",
+                                    error="lmdb.Error: /data/train_lmdb: No such file or directory"))["root_cause"]
+    assert (rc["category"], rc["exception_type"]) == ("python_exception", "lmdb.Error")
+
+
+def test_a_traceback_the_logging_module_printed_and_went_on_from_is_not_the_root(tmp_path):
+    # Python's logging Handler.handleError: `--- Logging error ---`, the traceback, the call stack,
+    # then the program carries on (here to a KeyError that ends the rank)
+    log = tmp_path / "l.log"
+    rc = _report(log, "".join("[rank1]: " + line + "\n" for line in (
+        "--- Logging error ---", "Traceback (most recent call last):",
+        '  File "/usr/lib/python3.10/logging/__init__.py", line 1084, in flush', "    self.stream.flush()",
+        "OSError: [Errno 28] No space left on device", "Call stack:",
+        '  File "/workspace/train.py", line 75, in main', '    logger.info("step %d", step)',
+        "Message: 'step %d'", "Arguments: (101,)", "Traceback (most recent call last):",
+        '  File "/workspace/train.py", line 77, in main', '    y = batch["target"]', "KeyError: 'target'")))["root_cause"]
+    assert (rc["rule_id"], rc["exception_type"], rc["rank"], rc["line"]) == ("python.exception", "KeyError", 1, 14)

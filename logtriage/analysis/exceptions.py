@@ -35,6 +35,8 @@ _INSTALLED_PACKAGE = re.compile(r"[/\\](?:site|dist)-packages[/\\]([A-Za-z_]\w*)
 _CHECKPOINT_PATH = re.compile(r"'[^']*(?:checkpoint|ckpt)[^']*'", re.IGNORECASE)
 _MISSING_PATH = re.compile(r"is not a valid (?:directory|file|path)|does not exist|(?:not found|No such file)\b")
 # pickle refusing an object (a lambda, a local class, an open file): inside a save, the save's failure
+# an object store answering that the key is not there (botocore's ClientError)
+_MISSING_OBJECT = re.compile(r"\((?:404|NoSuchKey)\) when calling the \w+ operation")
 _UNPICKLABLE = re.compile(r"Can't pickle|cannot pickle|Can't get local object")
 
 
@@ -47,12 +49,16 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
     if not f.checkpoint_frame and named is None:
         return root
     where = f"`{f.checkpoint_frame}`" if f.checkpoint_frame else f"an operation on {named.group(0)}"
-    loading = "load" in (f.checkpoint_frame or "").lower()
+    loading = any(word in (f.checkpoint_frame or "").lower() for word in ("load", "resume"))
     if kind == "KeyError" and loading:
         # the loader looked up a key the file does not have (`iteration`, `state`): another format
         rule_id = "ckpt.format_mismatch"
-    elif kind in FILE_SYSTEM_ERRORS:
+    elif kind in FILE_SYSTEM_ERRORS or (f.checkpoint_frame and root.rule.id == "host.filesystem_error"):
+        # (the file system's own errors whatever their type: torch 1.x's `RuntimeError: write(): fd N
+        # failed with Input/output error`)
         rule_id = "ckpt.not_found" if kind == "FileNotFoundError" and loading else "ckpt.io_error"
+    elif loading and _MISSING_OBJECT.search(f.text):
+        rule_id = "ckpt.not_found"   # an object store's 404 for the checkpoint's key
     elif kind == "ValueError" and f.checkpoint_frame and _MISSING_PATH.search(f.text):
         rule_id = "ckpt.not_found"   # the checkpointer's own check of its path (torchtune's get_path)
     elif f.checkpoint_frame and not loading and _UNPICKLABLE.search(f.text):

@@ -67,6 +67,15 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
                    if only in ahead else "")
         return RootCause(first.rule, first, only, (only,), 0.65, (
             f"every rank but {only} timed out in a collective: rank {only} never joined it{went_on}",))
+    if len(waiters) == 1 and len(missing) >= 2 and not peer_closed and set(missing) <= facts.speaking:
+        # One rank waited alone; every other rank, each with output of its own in this log, was
+        # somewhere else, all together (another collective, a group's creation, a branch this rank
+        # skipped): the lone rank took the other path. One slow rank makes the opposite picture,
+        # all but one waiting; and a paste of one rank's output says nothing of the others.
+        lone = waiters[0]
+        return RootCause(first.rule, first, lone, (lone,), 0.45, (
+            f"rank {lone} is the only rank that timed out in this collective; ranks {ranges(missing, limit=8)} "
+            f"were all elsewhere together, so rank {lone}'s code took a different path from theirs",))
     if missing:
         reasons = [f"ranks {ranges(missing, limit=8)} never joined the collective the others timed out in"]
         if 0 in missing:

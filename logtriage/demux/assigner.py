@@ -365,7 +365,7 @@ def _block_start(text: str) -> B.BlockKind | None:
         return B.BlockKind.CPP
     if first == "F" and B.FAULT_START.match(text):
         return B.BlockKind.FAULT
-    if first == "E" and B.IGNORED_START.match(text):
+    if (first == "E" or first == "-") and B.IGNORED_START.match(text):
         return B.BlockKind.IGNORED
     if first == "t" and B.NATIVE_START.match(text):
         return B.BlockKind.NATIVE

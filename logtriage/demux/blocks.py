@@ -22,21 +22,25 @@ class BlockKind(str, Enum):
     WARNING = "warning"        # path:N: XWarning: msg + indented source line
     MPI_NOTICE = "mpi_notice"  # Open MPI's "noticed that process rank N ... exited on" + "signal 9 (Killed)."
     IGNORED = "ignored"        # "Exception ignored in: <function X.__del__ ...>" + the traceback CPython goes on after
+                               # (also logging's "--- Logging error ---")
 
 
 TRACEBACK_START = re.compile(r"^Traceback \(most recent call last\):\s*$")
 # CPython's header for an exception it prints and ignores (a finalizer, an atexit hook, a thread
 # at shutdown): the traceback under it did not end the process
-IGNORED_START = re.compile(r"^Exception ignored (?:in|on)\b")
+# (also the logging module's `--- Logging error ---`: a handler failed to write a record, printed
+# the traceback and the call stack, and the program went on)
+IGNORED_START = re.compile(r"^(?:Exception ignored (?:in|on)\b|--- Logging error ---\s*$)")
 # a chained traceback's link: what follows is the next exception of the chain
 CHAIN = re.compile(r"^(?:During handling of the above exception, another exception occurred:"
                    r"|The above exception was the direct cause of the following exception:)\s*$")
 # An exception line's head, its type in group 1 (`NameError: name ...`, `torch.OutOfMemoryError: ...`,
 # a bare `MemoryError`): what closes a traceback, also an error file's in a launcher summary. NCCL's
 # result codes inside a DistBackendError's message (`ncclInternalError: Internal check failed.`) are not.
-# pynvml names its errors by code: `pynvml.nvml.NVMLError_NotSupported: Not Supported`.
+# pynvml names its errors by code: `pynvml.nvml.NVMLError_NotSupported: Not Supported`. A module's own
+# base class may be a bare `Error` (`lmdb.Error: ...`), named with its module.
 EXCEPTION_HEAD = re.compile(r"^(?!nccl[A-Z])((?:[A-Za-z_]\w*\.)*(?:[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)"
-                            r"|Exception|[A-Za-z_]\w*Error_[A-Z]\w*))(?::|$)")
+                            r"|Exception|[A-Za-z_]\w*Error_[A-Z]\w*)|(?:[A-Za-z_]\w*\.)+Error)(?::|$)")
 EXCEPTION_LINE = re.compile(r"^(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)(?::(?: (?P<message>.*))?)?$")
 CPP_GLOG = re.compile(r"^\[([IWEF])(\d{3,4}) (\d\d:\d\d:\d\d\.\d{3,9})(?: \d+)? ([^ \]]+):(\d+)\] ")
 _CPP_CONT = re.compile(r"^(?:Exception raised from |frame #\d+: |<omitting python frames>|\s)")
