@@ -80,6 +80,8 @@ def main(rank: int = -1, world: int = 0) -> None:
     if a.fault == "pgroup_dup" and hit:  # this rank's config sets a separate head learning rate
         params.append({"params": model.module.head.parameters(), "lr": 0.01})
     opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if a.fault == "sched_model" and hit:  # this rank's config turns on step decay; the helper was handed the model
+        sched = torch.optim.lr_scheduler.StepLR(model, step_size=2, gamma=0.5)
     loader = DataLoader(Shard(rank, hit), batch_size=BATCH)
     fp16 = a.fault == "half_cdist" and hit  # this rank's launch config says precision: fp16
     for step, (x, ids, y) in enumerate(loader, start=1):
@@ -106,6 +108,9 @@ def main(rank: int = -1, world: int = 0) -> None:
                 stats["per_sample"] = (v for v in out.detach().max(1).values.tolist())  # lazy on this rank
             gathered = [None] * world
             dist.all_gather_object(gathered, stats)
+        if a.fault == "reduce_opstr" and step == 3:
+            op = "sum" if hit else dist.ReduceOp.SUM  # this rank's logger takes the op name from its YAML
+            dist.all_reduce(torch.tensor([loss.item(), 1.0]), op=op)
         say(rank, f"step {step} loss {loss.item():.4f}")
     dist.barrier()
     dist.destroy_process_group()
