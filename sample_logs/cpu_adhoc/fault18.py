@@ -1,7 +1,7 @@
 """An eighteenth hand-run batch of faults that are not triage inject scenarios (nor in fault.py-fault17.py).
 
 Every fault's root is not a Python exception: a signal, a bare exit code, or a stopped process."""
-import argparse, ctypes, datetime, os, signal, subprocess, threading, time
+import argparse, ctypes, datetime, faulthandler, os, signal, subprocess, threading, time
 import torch, torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
@@ -43,6 +43,11 @@ def fault_at_step3(rank: int) -> None:
     elif f == "exit137":  # a heartbeat thread decides the rank is stale and exits with the shell's 'killed' code
         threading.Thread(target=lambda: os._exit(137), daemon=True).start()
         time.sleep(5)
+    elif f == "fh_watchdog":  # a debug hang-watchdog left armed at 3 s; this rank's checkpoint copy to slow storage takes 6 s
+        faulthandler.dump_traceback_later(3, exit=True)
+        say(rank, "copying checkpoint to /mnt/slow")
+        time.sleep(6)
+        faulthandler.cancel_dump_traceback_later()
     elif f == "sigstop":  # a "wait for debugger attach" helper stops the process; nobody attaches
         os.kill(os.getpid(), signal.SIGSTOP)
 
