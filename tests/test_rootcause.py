@@ -1444,3 +1444,23 @@ def test_a_traceback_the_logging_module_printed_and_went_on_from_is_not_the_root
         "Message: 'step %d'", "Arguments: (101,)", "Traceback (most recent call last):",
         '  File "/workspace/train.py", line 77, in main', '    y = batch["target"]', "KeyError: 'target'")))["root_cause"]
     assert (rc["rule_id"], rc["exception_type"], rc["rank"], rc["line"]) == ("python.exception", "KeyError", 1, 14)
+
+
+def test_a_worker_the_launcher_killed_after_its_sigterm_failed_is_teardown_not_a_crash(tmp_path):
+    # sample_logs/cpu_adhoc/sigstop_np3_r2_tee: rank 2 stopped itself (SIGSTOP); ranks 0 and 1 timed
+    # out waiting for it; torchrun's SIGTERM could not end it, so torchrun sent SIGKILL (exit -9)
+    agent = "W1201 23:17:{s}.304000 2092 torch/distributed/elastic/multiprocessing/api.py:{n}] "
+    timeout = ("[rank{r}]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+               "Timed out waiting 15000ms for recv operation to complete\n")
+    log = tmp_path / "k.log"
+    text = ("".join(f"[rank{r}]: rank {r} step 2\n" for r in range(3)) + timeout.format(r=1) + timeout.format(r=0)
+            + agent.format(s=27, n=1028) + "Sending process 2132 closing signal SIGTERM\n"
+            + agent.format(s=57, n=1047) + "Unable to shutdown process 2132 via 15, forcefully exiting via 9\n"
+            + "E1201 23:17:57.565000 2092 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) "
+              "local_rank: 2 (pid: 2132) of binary: /tmp/venv/bin/python3\n")
+    rc = _report(log, text)["root_cause"]
+    assert (rc["category"], rc["rule_id"], rc["rank"]) == ("collective_timeout", "gloo.timeout", 2)
+    # without the launcher's own SIGKILL the -9 stays the worker's end
+    rc = _report(log, text.replace("Unable to shutdown process 2132 via 15, forcefully exiting via 9",
+                                   "worker group stopped"))["root_cause"]
+    assert rc["rule_id"] != "gloo.timeout"

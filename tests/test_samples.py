@@ -23,7 +23,7 @@ def test_there_are_samples_of_every_kind():
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_sample_diagnosis(case):
-    report = triage([str(case.log)], TriageOptions()).to_dict()
+    report = triage([str(path) for path in case.inputs], TriageOptions()).to_dict()
     problems = compare(case.expectation, report)
     if problems and case.expectation.known_miss:
         pytest.xfail(case.expectation.known_miss)
@@ -38,7 +38,7 @@ def test_sample_diagnosis(case):
     if rc is not None and rc["line"] is not None:
         # the root line is a real line of this case's input, and its text is that line's
         source = Path(rc["source"])
-        assert source == case.log or case.log in source.parents
+        assert source in case.inputs or case.log in source.parents
         raw = source.read_bytes().split(b"\n")[rc["line"] - 1]
         assert rc["text"] in clean(decode(raw))
 
@@ -78,3 +78,21 @@ def test_log_dir_copy_names_the_same_root(case):
         # two ranks that each report the other's mismatch have no odd one out, and separate
         # files say nothing about which rank printed first
         assert rc["rank"] == want.rank
+
+
+def test_a_log_dir_case_reads_the_console_kept_beside_it(tmp_path):
+    # `--redirects 3 --log-dir`: the console holds only the agent's lines (a worker's signal), the
+    # folder only what the ranks wrote (sample_logs/cpu_adhoc/sigtrap_np6_r5_redirects)
+    folder = tmp_path / "sig_redirects" / "none_x" / "attempt_0"
+    for rank in (0, 1):
+        (folder / str(rank)).mkdir(parents=True)
+        (folder / str(rank) / "stdout.log").write_text(f"rank {rank} step 2\n")
+    (tmp_path / "sig_redirects.console.log").write_text(
+        "E1201 23:30:01.000000 77 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -5) "
+        "local_rank: 1 (pid: 79) of binary: /tmp/venv/bin/python3\n")
+    (tmp_path / "sig_redirects.expect.toml").write_text(
+        'verdict = "failed"\ncategory = "crash_signal"\nrule = "signal.other_signal"\nrank = 1\n')
+    (case,) = find_cases(tmp_path)
+    assert case.inputs == (tmp_path / "sig_redirects", tmp_path / "sig_redirects.console.log")
+    report = triage([str(path) for path in case.inputs], TriageOptions()).to_dict()
+    assert compare(case.expectation, report) == []

@@ -26,6 +26,7 @@ from logtriage.analysis.refine import (
     PEER_LEFT_RULES,
     STOPPED_WHILE_WAITING,
     abort_after_dump_signal,
+    agent_sigkills,
     exit_rule,
     hangup_forwarded,
     oom_device_rank,
@@ -70,7 +71,8 @@ class Diagnosis:
 def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     keys = scan.slots.resolve(scan.facts.pid_to_rank(), scan.facts.attempt_of_segment, scan.facts.host_rank)
     failures = parse_child_failures(scan.launcher_lines)
-    findings = unsent_sigterms(attribute_by_nccl_pid(resolve_findings(scan, keys, failures)), catalog)
+    findings = agent_sigkills(unsent_sigterms(attribute_by_nccl_pid(resolve_findings(scan, keys, failures)), catalog),
+                              catalog)
     stream_stats = _merge_stats(scan, keys)
     facts = _rank_facts(stream_stats, failures, findings, scan.world_size)
     root = choose_root(findings, facts)

@@ -209,6 +209,22 @@ def unsent_sigterms(findings: list[Finding], catalog: Catalog) -> list[Finding]:
     return [replace(f, rule=rule) if i in unsent else f for i, f in enumerate(findings)]
 
 
+SIGKILL_RULE = "signal.sigkill"
+
+
+def agent_sigkills(findings: list[Finding], catalog: Catalog) -> list[Finding]:
+    """A worker torchrun killed itself: it sends SIGKILL to a worker that outlived its SIGTERM
+    ("Unable to shutdown process N via 15, forcefully exiting via 9": a stopped or hung process),
+    so that worker's -9 is the teardown's, not a crash or the OOM killer."""
+    rule = catalog.get(TEARDOWN_RULE)
+    killed = {int(f.captures["pid"]) for f in findings if f.rule.id == TEARDOWN_RULE
+              and f.captures.get("kill_signum") == "9" and f.captures.get("pid", "").isdigit()}
+    if rule is None or not killed:
+        return findings
+    return [replace(f, rule=rule) if f.rule.id == SIGKILL_RULE and f.captures.get("pid", "").isdigit()
+            and int(f.captures["pid"]) in killed else f for f in findings]
+
+
 def teardown_only(findings: list[Finding]) -> RootCause | None:
     """The launcher stopping its workers (torchrun's SIGTERMs, the legacy and DeepSpeed launchers'
     `Killing subprocess N`) with no error anywhere: it does that after a worker failed, so the run

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 from logtriage.errors import InputError
 
 EXPECT_SUFFIX = ".expect.toml"
+CONSOLE_SUFFIX = ".console.log"   # a folder case's console, kept beside it
 _LOG_SUFFIXES = (".log", ".log.gz", ".txt", ".out", "")
 
 
@@ -57,6 +58,13 @@ class Case:
     log: Path
     expect_path: Path
     expectation: Expectation
+    console: Path | None = None   # a `--log-dir` folder's console beside it (`X.console.log`)
+
+    @property
+    def inputs(self) -> tuple[Path, ...]:
+        """What triage reads for this case: the log, and a folder's console where one was kept
+        (with `--redirects` the agent's exit codes and signals are only there)."""
+        return (self.log,) if self.console is None else (self.log, self.console)
 
 
 @dataclass(frozen=True)
@@ -69,7 +77,8 @@ class CaseResult:
 
 
 def find_cases(root: Path) -> list[Case]:
-    """Every `X.expect.toml` under root with its log (`X.log`, `X.log.gz`, or a folder `X/`)."""
+    """Every `X.expect.toml` under root with its log (`X.log`, `X.log.gz`, or a folder `X/`, then
+    with its console `X.console.log` where one lies beside the folder)."""
     if root.is_file() and root.name.endswith(EXPECT_SUFFIX):
         paths = [root]
     elif root.is_file() and _expectation_of(root).is_file():   # a captured log: its sidecar
@@ -88,8 +97,10 @@ def find_cases(root: Path) -> list[Case]:
             data = tomllib.loads(expect.read_text(encoding="utf-8"))
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise InputError(f"{expect}: cannot read expectation ({exc})") from None
+        console = expect.with_name(stem + CONSOLE_SUFFIX)
         cases.append(Case(str(expect.relative_to(root) if root.is_dir() else expect.name)[: -len(EXPECT_SUFFIX)],
-                          log, expect, Expectation.from_dict(data)))
+                          log, expect, Expectation.from_dict(data),
+                          console if log.is_dir() and console.is_file() else None))
     return cases
 
 

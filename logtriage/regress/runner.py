@@ -29,7 +29,7 @@ class Summary:
 
 def run_case(case: Case, options: TriageOptions) -> CaseResult:
     try:
-        report = triage([str(case.log)], options).to_dict()
+        report = triage([str(path) for path in case.inputs], options).to_dict()
     except TriageError as exc:
         return CaseResult(case, Outcome.ERROR, (f"triage failed: {exc}",))
     problems = compare(case.expectation, report)
