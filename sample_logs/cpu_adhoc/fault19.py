@@ -134,6 +134,9 @@ def main() -> None:
             # the lr schedule is broadcast from "the main process": this rank uses its LOCAL_RANK-based idea of it
             sched = torch.tensor([0.1 * 0.9 ** step])
             dist.broadcast(sched, src=rank if hit else 0)
+        if step == 3 and a.fault == "reduce_dst":
+            # the eval metric is reduced to "the logging rank"; this rank takes it from its own LOCAL_RANK-style guess
+            dist.reduce(stats.clone(), dst=rank if hit else 0)
         dist.all_reduce(stats)
         say(rank, f"step {step} loss {loss.item():.4f} mean {stats[0].item() / world:.4f}")
     dist.barrier()
