@@ -34,9 +34,9 @@ _INSTALLED_PACKAGE = re.compile(r"[/\\](?:site|dist)-packages[/\\]([A-Za-z_]\w*)
 # a path the error names that is a checkpoint's (`'out/tmp-checkpoint-x' -> 'out/checkpoint-100'`)
 _CHECKPOINT_PATH = re.compile(r"'[^']*(?:checkpoint|ckpt)[^']*'", re.IGNORECASE)
 _MISSING_PATH = re.compile(r"is not a valid (?:directory|file|path)|does not exist|(?:not found|No such file)\b")
-# pickle refusing an object (a lambda, a local class, an open file): inside a save, the save's failure
 # an object store answering that the key is not there (botocore's ClientError)
 _MISSING_OBJECT = re.compile(r"\((?:404|NoSuchKey)\) when calling the \w+ operation")
+# pickle refusing an object (a lambda, a local class, an open file): inside a save, the save's failure
 _UNPICKLABLE = re.compile(r"Can't pickle|cannot pickle|Can't get local object")
 
 
