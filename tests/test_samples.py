@@ -96,3 +96,5 @@ def test_a_log_dir_case_reads_the_console_kept_beside_it(tmp_path):
     assert case.inputs == (tmp_path / "sig_redirects", tmp_path / "sig_redirects.console.log")
     report = triage([str(path) for path in case.inputs], TriageOptions()).to_dict()
     assert compare(case.expectation, report) == []
+    # the folder alone cannot say it: the signal is only in the console
+    assert compare(case.expectation, triage([str(case.log)], TriageOptions()).to_dict()) != []
