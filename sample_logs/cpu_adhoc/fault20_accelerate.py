@@ -1,7 +1,9 @@
 """A twentieth hand-run batch of faults that are not triage inject scenarios (nor in fault.py-fault19.py), run
-under Hugging Face Accelerate (`accelerate launch --multi_gpu --cpu --num_processes N`, gloo), the training
+under Hugging Face Accelerate (`accelerate launch --multi_gpu --num_processes N`, gloo, with
+`Accelerator(cpu=True)` in the script: accelerate 1.15 refuses `--cpu` with `--multi_gpu`), the training
 framework on top of torch.distributed: a plain loop with `Accelerator()` (faults `stall`, `gather_shape`,
-`save_missing_dir`, `sigsegv`, `rlimit_as`, `early_return`) and `transformers.Trainer` on a tiny BERT built
+`save_missing_dir`, `sigsegv`, `rlimit_as`, `early_return`,
+`load_corrupt`) and `transformers.Trainer` on a tiny BERT built
 from a config, no downloads (`trainer_loss_shape`, `trainer_stall`). The 15 s process-group timeout goes
 through the framework's own option: `InitProcessGroupKwargs(timeout=...)`, `TrainingArguments(ddp_timeout=15)`."""
 import argparse, datetime, os, resource, signal, sys, time
@@ -14,6 +16,7 @@ p.add_argument("--fault", required=True)
 p.add_argument("--rank", type=int, default=2)
 p.add_argument("--steps", type=int, default=5)
 p.add_argument("--pg-timeout", type=int, default=15)
+p.add_argument("--use-cpu", type=int, default=1, help="TrainingArguments(use_cpu=...); with 1, transformers 5.24 does not pass ddp_timeout on")
 a = p.parse_args()
 TIMEOUT = datetime.timedelta(seconds=a.pg_timeout)
 OUT = "/tmp/job/out"
@@ -42,6 +45,14 @@ def loop():
         if step >= a.steps:
             break
         faulty = rank == a.rank and step == 3
+        if a.fault == "load_corrupt" and step == 2:
+            acc.save_state(f"{OUT}/state")
+            acc.wait_for_everyone()
+            if acc.is_main_process:  # a copy job that was cut short: half of the weights file
+                f = f"{OUT}/state/model.safetensors"
+                os.truncate(f, os.path.getsize(f) // 2)
+            acc.wait_for_everyone()
+            acc.load_state(f"{OUT}/state")  # e.g. a resume after preemption
         if faulty and a.fault == "stall":
             say(rank, "step 3: waiting for the shared data cache to fill")
             time.sleep(60)  # a stand-in for a blocking read; the others wait in the all-reduce
@@ -114,7 +125,7 @@ def trainer():
                      intermediate_size=32, max_position_embeddings=32, num_labels=2)
     torch.manual_seed(0)
     model = BertForSequenceClassification(cfg)
-    args = TrainingArguments(output_dir=f"{OUT}/trainer", use_cpu=True, ddp_backend="gloo",
+    args = TrainingArguments(output_dir=f"{OUT}/trainer", use_cpu=bool(a.use_cpu), ddp_backend="gloo",
                              ddp_timeout=a.pg_timeout, max_steps=a.steps, per_device_train_batch_size=4,
                              logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
                              dataloader_num_workers=0)
