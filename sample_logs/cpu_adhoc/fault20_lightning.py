@@ -2,7 +2,7 @@
 under PyTorch Lightning (`lightning` package): `Trainer(accelerator="cpu", devices=N, strategy=DDPStrategy(...))`
 launched by Lightning itself (`python fault20_lightning.py --devices N ...`) or under torchrun
 (`torchrun --nproc_per_node N fault20_lightning.py --devices N ...`). The 15 s process-group timeout goes
-through `DDPStrategy(timeout=...)`, with gloo. Faults: `step_raise`, `callback_raise`, `stall`, `sigkill`,
+through `DDPStrategy(timeout=...)`, with gloo. Faults: `step_raise`, `callback_raise`, `stall`, `sigkill`, `skip_step`,
 `unused_param`, `ckpt_missing`, `save_missing_dir` (rank 0 only), and `devices` (a --devices that does not
 match the launch)."""
 import argparse, datetime, os, signal, time
@@ -43,6 +43,9 @@ class Net(L.LightningModule):
             if a.fault == "stall":
                 say(self.global_rank, "step 3: waiting for the shared data cache to fill")
                 time.sleep(60)
+            if a.fault == "skip_step":
+                say(self.global_rank, "step 3: batch has padding only, skipping it")
+                return None  # Lightning skips the optimizer step for this batch on this rank only
             if a.fault == "sigkill":
                 say(self.global_rank, "step 3: host memory watchdog kills this process")
                 os.kill(os.getpid(), signal.SIGKILL)
