@@ -12,7 +12,7 @@ from logtriage.demux.assigner import find_rank_marker
 from logtriage.fastscan import kernel
 
 PIECES = ["rank", "Rank", "RANK", "global_", "global ", "Global", "[", "]", ":", "=", "#", "|", ",",
-          "(", "/", " ", "  ", "0", "7", "12", "123456789", "1234567890", "123456789012", "1234567890123", "x", "step 3", "]:", "default",
+          "(", ")", ">", "/", " ", "  ", "0", "7", "12", "123456789", "1234567890", "123456789012", "1234567890123", "x", "step 3", "]:", "default",
           " step", " done", "iter", "ation", "Loss", "é", "…", "_"]
 texts = st.lists(st.sampled_from(PIECES), max_size=8).map("".join)
 # Prefix-shaped text: `[` word digits `]` separator rest, where the word and digit counts straddle

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.roots import RankFacts, RootCause, earliest
+from logtriage.analysis.timestamps import clearly_before
 from logtriage.catalog.rule import Category, Role
 from logtriage.rank_ranges import ranges
 
@@ -82,6 +83,11 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
             reasons.append("rank 0 is among them, and rank-0-only work (saving, evaluation, logging) is the "
                            "usual reason one rank is late")
         return RootCause(first.rule, first, 0 if 0 in missing else None, tuple(missing), 0.5, tuple(reasons))
+    broken = _link_failed_first(live, timed_out, first)
+    if broken is not None:
+        return RootCause(broken.rule, broken, broken.rank, (broken.rank,), 0.5, (
+            f"rank {broken.rank} did not time out: its NCCL connection failed (a peer's link or process) before "
+            f"any rank's timeout, and ranks {ranges(sorted(timed_out), limit=8)} then waited for it",))
     if len(timed_out) == 1:
         only = next(iter(timed_out))
         if hidden:
@@ -110,6 +116,20 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
             f"every rank timed out; rank {behind} was behind the others (lowest last step)",))
     return RootCause(first.rule, first, None, tuple(sorted(timed_out)), 0.35,
                      ("every rank timed out and nothing in the log tells them apart",))
+
+
+# NCCL's own report that a connection to a peer broke (an InfiniBand completion error, a closed
+# socket): not gloo's "Connection closed by peer", which a rank prints when a timed-out peer leaves
+_LINK_RULES = frozenset({"nccl.remote_error"})
+
+
+def _link_failed_first(live: list[Finding], timed_out: set[int], first: Finding) -> Finding | None:
+    """Every rank accounted for: one rank's NCCL transport failed, printed before any timeout, and
+    that rank never timed out itself: its collective broke there, and the others waited for it."""
+    broken = [f for f in live if f.rule.id in _LINK_RULES and f.rank is not None and f.rank not in timed_out
+              and f.seq < first.seq and clearly_before(first.stamp, f.stamp) is not True]
+    ranks = {f.rank for f in broken}
+    return earliest(broken) if len(ranks) == 1 else None
 
 
 def unseen_ranks(facts: RankFacts) -> frozenset[int]:

@@ -26,6 +26,9 @@ _RANK_MARKERS = (
     # and a script's own progress print that starts with its rank (`rank 3 step 12 loss 0.41`)
     re.compile(r"^\s*rank\s*(\d{1,9})(?:\s*[:|\]]|\s+(?:step|epoch|iter|iteration|loss|batch|done|finished)\b)",
                re.IGNORECASE | re.ASCII),
+    # a logger's `(rank 2) message` and Megatron-style `> rank 2 ...` at the start of the message
+    re.compile(r"^ *\( *rank *(\d{1,9}) *\)", re.IGNORECASE | re.ASCII),
+    re.compile(r"^ *> *rank +(\d{1,9})\b", re.IGNORECASE | re.ASCII),
 )
 # (NCCL's result codes under a DistBackendError, `ncclInternalError: Internal check failed.`, are
 # part of its message, not exceptions)

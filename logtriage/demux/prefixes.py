@@ -60,14 +60,16 @@ _PYTEST_EXCEPTION = re.compile(r"^E {3}(?: {4})?(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(
 # Open MPI's `[job,rank]<stderr>:`; horovodrun's own (gloo) launcher writes `[rank]<stderr>:`
 _MPI = re.compile(r"^\[(?:(\d{1,9}),)?(\d{1,12})\]<(?:stdout|stderr|stddiag)>: ?")
 _HOST = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62}): ")
-# a Ray worker `(RayTrainWorker pid=1234, ip=...)`, a vLLM worker `(VllmWorker rank=0 pid=10672)` (its
+# a Ray worker `(RayTrainWorker pid=1234, ip=...)`, a vLLM worker `(VllmWorker rank=0 pid=10672)`, and
+# newer vLLM's `(VllmWorker TP1 pid=N)` and `(Worker_TP1 pid=N)` (its tensor-parallel rank: the rank
+# where tensor parallelism is the only one; `Worker_PP0_TP1` and `EngineCore_DP1` name no world
 # rank), or SkyPilot's `(worker1, rank=1, pid=914, ip=...)` (a node's number)
-_RAY = re.compile(r"^\((?:[A-Za-z_][\w.-]{0,60} (?:rank=(\d{1,9}) )?|[\w.-]{1,60}, rank=(\d{1,9}), )?"
-                  r"pid=\d{1,9}(?:, ip=[0-9A-Fa-f.:]{3,45})?\) ")
+_RAY = re.compile(r"^\((?:(?:Worker_TP(\d{1,9})|[A-Za-z_][\w.-]{0,60}) (?:rank=(\d{1,9}) |TP(\d{1,9}) )?"
+                  r"|[\w.-]{1,60}, rank=(\d{1,9}), )?pid=\d{1,9}(?:, ip=[0-9A-Fa-f.:]{3,45})?\) ")
 # vLLM's own multiprocessing executor labels its processes the same way; its workers share one
 # node's GPUs (worker k on cuda:k), unlike Ray's, which each see one GPU as cuda:0
 _VLLM_PROCESS = re.compile(r"^\((?:VllmWorker|Worker(?:_[A-Z]+\d+)*|EngineCore(?:_DP\d+)?|APIServer)"
-                           r"(?: rank=\d+)? pid=\d+\) ")
+                           r"(?: rank=\d+| TP\d+)? pid=\d+\) ")
 _STREAM_TAG = re.compile(r"^\[std(?:out|err)\] ?")
 _TEE = re.compile(r"^\[([A-Za-z_][A-Za-z_-]*?)(\d{1,7})\]:")
 _TEE_HOST = re.compile(r"^\[([A-Za-z0-9][A-Za-z0-9_.-]*):(\d{1,7})\]:")
@@ -284,10 +286,11 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
     m = _RAY.match(text) if text[:1] == "(" else None
     if m:
         text = text[m.end():]
-        if m.group(1) is not None:
-            rank = int(m.group(1))
-        if m.group(2) is not None:
-            host = f"node{int(m.group(2))}"   # SkyPilot numbers nodes; the processes' ranks come after
+        named = m.group(1) or m.group(2) or m.group(3)
+        if named is not None:
+            rank = int(named)
+        if m.group(4) is not None:
+            host = f"node{int(m.group(4))}"   # SkyPilot numbers nodes; the processes' ranks come after
         layers.append("vllm" if _VLLM_PROCESS.match(m.group(0)) else "ray")
     m = _STREAM_TAG.match(text) if text[:4] == "[std" else None
     if m:

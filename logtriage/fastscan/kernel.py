@@ -235,8 +235,33 @@ def _marker(buf, c, end, found):
             if k < head_end and (buf[k] == 58 or buf[k] == 124 or buf[k] == 93):
                 return value
             if k > after:
-                return _progress_word_at(buf, k, head_end, value)
-    return -1
+                hit = _progress_word_at(buf, k, head_end, value)
+                if hit != -1:
+                    return hit
+    return _opening_marker(buf, c, head_end)
+
+
+@njit(cache=True, nogil=True)
+def _opening_marker(buf, c, head_end):
+    """find_rank_marker's last two patterns: `^ *\\( *rank *(\\d{1,9}) *\\)` and `^ *> *rank +(\\d{1,9})\\b`."""
+    k = _skip_spaces(buf, c, head_end)
+    if k >= head_end or not (buf[k] == 40 or buf[k] == 62):
+        return -1
+    paren = buf[k] == 40
+    k = _skip_spaces(buf, k + 1, head_end)
+    if k + 4 > head_end or not _is_rank_at(buf, k):
+        return -1
+    start = k + 4
+    k = _skip_spaces(buf, start, head_end)
+    if not paren and k == start:
+        return -1
+    value, digits, k = _number(buf, k, head_end, 9)
+    if digits == 0 or digits > 9:
+        return -1
+    if paren:
+        k = _skip_spaces(buf, k, head_end)
+        return value if k < head_end and buf[k] == 41 else -1
+    return value if k >= head_end or not _is_word(buf[k]) else -1
 
 
 @njit(cache=True, nogil=True)

@@ -1,0 +1,83 @@
+"""Where a rank comes from when the failing line carries no torchrun prefix: a launcher's notice
+after an unprefixed traceback, a framework's process name, a message's own opening words, and
+NCCL's transport error on the one rank that did not time out (gaps round 38, each case naming the
+format it copies)."""
+
+from __future__ import annotations
+
+import pytest
+
+from logtriage.api import TriageOptions, triage
+
+OOM = ("Traceback (most recent call last):\n"
+       '  File "/workspace/train.py", line 30, in main\n'
+       "    loss.backward()\n"
+       "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+       "of 79.15 GiB of which 1.02 GiB is free.\n")
+WATCHDOG = ("[E1201 10:10:00.100000000 ProcessGroupNCCL.cpp:685] [Rank {r}] Watchdog caught collective operation "
+            "timeout: WorkNCCL(SeqNum=12, OpType=ALLREDUCE, NumelIn=1048576, NumelOut=1048576, "
+            "Timeout(ms)=600000) ran for 600045 milliseconds before timing out.\n")
+
+
+def _root(tmp_path, text: str, fast: bool = False) -> dict:
+    log = tmp_path / "run.log"
+    log.write_text(text)
+    options = TriageOptions(engine="fast" if fast else "exact")
+    return triage([str(log)], options).to_dict()["root_cause"]
+
+
+def test_an_mpi_abort_notice_names_the_rank_of_the_traceback_before_it(tmp_path):
+    # Open MPI's help-mpi-api.txt banner (as in UCL/hemelb#4), printed after the exception hook's
+    # traceback; the other ranks carry `--tag-output` labels
+    banner = ("-" * 74 + "\nMPI_ABORT was invoked on rank 2 in communicator MPI_COMM_WORLD\nwith errorcode 1.\n\n"
+              "NOTE: invoking MPI_ABORT causes Open MPI to kill all MPI processes.\n" + "-" * 74 + "\n")
+    rc = _root(tmp_path, OOM + banner + "".join(f"[1,{r}]<stderr>:" + WATCHDOG.format(r=r) for r in (0, 1)))
+    assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == ("cuda.oom", "gpu_oom", 2, 4)
+    # another rank's line between the traceback and the banner: the banner may be that rank's
+    rc = _root(tmp_path, OOM + "[1,3]<stderr>:RuntimeError: NCCL communicator was aborted on rank 3.\n" + banner)
+    assert rc["rank"] != 2
+
+
+@pytest.mark.parametrize("prefix, rank", [
+    ("(VllmWorker TP2 pid=438) ERROR 08-28 07:32:18 [multiproc_executor.py:559] ", 2),   # LMCache/LMCache#1455
+    ("(Worker_TP2 pid=438) ERROR 08-28 07:32:18 [multiproc_executor.py:559] ", 2),        # vLLM v1 process name
+    ("(Worker_PP1_TP0 pid=438) ERROR 08-28 07:32:18 [multiproc_executor.py:559] ", None),  # no world rank
+])
+def test_vllm_worker_names_give_the_tensor_parallel_rank(tmp_path, prefix, rank):
+    # (the message names no GPU: a GPU number alone would give a rank of its own)
+    rc = _root(tmp_path, "".join(prefix + line + "\n" for line in OOM.split(" GPU 0")[0].splitlines()))
+    assert (rc["rule_id"], rc["rank"]) == ("cuda.oom", rank)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("opening", ["(rank 2) ", "> rank 2 ", "(Rank 2)"])
+def test_a_message_that_opens_with_its_rank_is_that_ranks(tmp_path, opening, fast):
+    # a user's f-string `(rank {rank}) ...` and a Megatron-style `> rank N` print; the fast scan
+    # reads the same rank as the exact path
+    rc = _root(tmp_path, opening + "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. "
+               "GPU 0 has a total capacity of 79.15 GiB of which 1.02 GiB is free.\n", fast)
+    assert (rc["rule_id"], rc["rank"]) == ("cuda.oom", 2)
+
+
+def test_numbers_after_a_paren_or_arrow_that_are_not_ranks_stay_unread(tmp_path):
+    rc = _root(tmp_path, "> ranked 2 torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n")
+    assert rc["rule_id"] == "cuda.oom" and rc["rank"] in (0, None)   # GPU 0 only where the message names it
+    rc = _root(tmp_path, "(rank 2 of 4 torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n")
+    assert rc["rank"] is None
+
+
+def test_the_one_rank_whose_nccl_link_broke_before_the_others_timed_out_is_the_root(tmp_path):
+    # NCCL's net_ib.cc completion error (format of NVIDIA/nccl#928) on rank 2's process, whose
+    # rank its `comm ... rank 2 nranks 4` INFO line gives; ranks 0, 1, 3 then time out
+    text = ("node02:2201:2201 [0] NCCL INFO comm 0x55d5c8a0 rank 2 nranks 4 cudaDev 0 nvmlDev 0 busId 1b000 "
+            "commId 0x9f1a - Init COMPLETE\n"
+            "node02:2201:2250 [0] transport/net_ib.cc:1295 NCCL WARN NET/IB : Got completion from peer "
+            "10.0.0.4<41234> with status=12 opcode=0 len=0 vendor err 129 (Recv) localGid ::ffff:10.0.0.3 "
+            "remoteGids ::ffff:10.0.0.4\n"
+            + "".join(f"[rank{r}]:" + WATCHDOG.format(r=r) for r in (0, 1, 3)))
+    rc = _root(tmp_path, text)
+    assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == ("nccl.remote_error", "collective_error", 2, 2)
+    # the same error printed after a timeout is the aftermath of that timeout
+    lines = text.splitlines(keepends=True)
+    rc = _root(tmp_path, lines[0] + lines[2] + lines[1] + "".join(lines[3:]))
+    assert rc["category"] == "collective_timeout"
