@@ -87,6 +87,10 @@ OBJECT_COLLECTIVES = frozenset({"broadcast_object_list", "all_gather_object", "g
 GARBAGE_SIZE_BYTES = 1 << 40   # 1 TiB asked for one object's buffer: no pickled object is that large
 # a full or over-quota file system, as any writer reports it (torch.save's own words name the save)
 _DISK_FULL = re.compile(r"No space left on device|Disk quota exceeded")
+# torch.compile's on-disk caches (Inductor's FX graph, kernel and autotune caches), which the ranks
+# of one node read and write at once: a half-written entry reads as truncated pickle or JSON
+_COMPILE_CACHE_FILE = re.compile(r"torch/_inductor/(?:codecache|runtime/autotune_cache)\.py$|/torchinductor_[^/]*/")
+_HALF_WRITTEN = frozenset({"UnpicklingError", "EOFError", "JSONDecodeError"})
 
 
 def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
@@ -128,6 +132,11 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
             f"`{f.collective}` asked for {int(f.captures['bytes']) / (1 << 40):,.0f} TiB for one object's buffer: "
             "the size it received was not a size, so the ranks' object collectives did not line up (another list "
             "length, another call)")
+    elif (kind in _HALF_WRITTEN and root.rule.id in GENERIC_RULES | {"ckpt.corrupt_archive", PROBE_JSON_RULE}
+          and _COMPILE_CACHE_FILE.search(f.last_file)):
+        rule, why = catalog.get("data.cache_race"), (
+            f"the {kind} was raised reading torch.compile's on-disk cache (`{f.last_frame}` in Inductor's cache "
+            "code): another rank on the node was writing the same entry, so it read half a file")
     elif root.rule.id == "ckpt.write_failed" and f.last_frame and not f.checkpoint_frame and _DISK_FULL.search(f.text):
         rule, why = catalog.get("host.filesystem_error"), (
             f"the disk filled up in `{f.last_frame}`, outside any checkpoint code (no save frame): another "
