@@ -35,8 +35,8 @@ RERAISE_REACH = 200   # input lines after the re-raise within which its original
 
 
 def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
-    live = _without_reraise_wrappers(_not_recovered([f for f in findings if f.is_error and not f.is_teardown],
-                                                     findings))
+    live = _after_store_lost(_without_reraise_wrappers(_not_recovered(
+        [f for f in findings if f.is_error and not f.is_teardown], findings)))
     roots = [f for f in live if f.role is Role.ROOT_CANDIDATE and not _reports_death_after_own_error(f, live)]
     if roots:
         before = _errors_before_stop(roots, live)
@@ -95,6 +95,21 @@ def _in_original_traceback(finding: Finding) -> bool:
     the process's exit (an inner error no rule knows leaves the wrapper as the root)."""
     return finding.attributed_by != "launcher" and finding.rule.id != EXIT_RULE \
         and finding.category is not Category.UNKNOWN
+
+
+KEEPALIVE_RULE = "dist.rendezvous_keepalive_lost"
+RENDEZVOUS_RULE = "dist.rendezvous_connection"
+
+
+def _after_store_lost(live: list[Finding]) -> list[Finding]:
+    """An agent whose rendezvous keep-alive already failed (the store's host went away) then fails
+    to shut the rendezvous down for the same reason: that later RendezvousConnectionError of the
+    launcher is the same loss, not a root of its own."""
+    lost = [f.seq for f in live if f.rule.id == KEEPALIVE_RULE]
+    if not lost:
+        return live
+    return [f for f in live if not (f.rule.id == RENDEZVOUS_RULE and f.seq > min(lost)
+                                    and f.stream.kind is StreamKind.LAUNCHER)]
 
 
 def _notice_of_own_exit(finding: Finding, either: list[Finding]) -> bool:
