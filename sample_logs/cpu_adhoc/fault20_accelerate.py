@@ -3,7 +3,7 @@ under Hugging Face Accelerate (`accelerate launch --multi_gpu --num_processes N`
 `Accelerator(cpu=True)` in the script: accelerate 1.15 refuses `--cpu` with `--multi_gpu`), the training
 framework on top of torch.distributed: a plain loop with `Accelerator()` (faults `stall`, `gather_shape`,
 `save_missing_dir`, `sigsegv`, `rlimit_as`, `early_return`,
-`load_corrupt`) and `transformers.Trainer` on a tiny BERT built
+`load_corrupt`, `main_only_barrier`) and `transformers.Trainer` on a tiny BERT built
 from a config, no downloads (`trainer_loss_shape`, `trainer_stall`). The 15 s process-group timeout goes
 through the framework's own option: `InitProcessGroupKwargs(timeout=...)`, `TrainingArguments(ddp_timeout=15)`."""
 import argparse, datetime, os, resource, signal, sys, time
@@ -79,6 +79,9 @@ def loop():
         ally = acc.gather_for_metrics(y)
         accu = (allp == ally).float().mean().item()
         acc.print(f"step {step} loss {loss.item():.4f} acc {accu:.3f}")
+        if a.fault == "main_only_barrier" and step == 3 and acc.is_main_process:
+            acc.print("step 3: writing an eval summary")
+            acc.wait_for_everyone()  # a barrier inside `if is_main_process`: only rank 0 enters it
         say(rank, f"step {step} done")
     acc.wait_for_everyone()
     if a.fault == "save_missing_dir":

@@ -2,7 +2,7 @@
 under PyTorch Lightning (`lightning` package): `Trainer(accelerator="cpu", devices=N, strategy=DDPStrategy(...))`
 launched by Lightning itself (`python fault20_lightning.py --devices N ...`) or under torchrun
 (`torchrun --nproc_per_node N fault20_lightning.py --devices N ...`). The 15 s process-group timeout goes
-through `DDPStrategy(timeout=...)`, with gloo. Faults: `step_raise`, `callback_raise`, `stall`, `sigkill`, `skip_step`,
+through `DDPStrategy(timeout=...)`, with gloo. Faults: `step_raise`, `callback_raise`, `stall`, `sigkill`, `skip_step`, `log_rank_only`,
 `unused_param`, `ckpt_missing`, `save_missing_dir` (rank 0 only), and `devices` (a --devices that does not
 match the launch)."""
 import argparse, datetime, os, signal, time
@@ -54,6 +54,9 @@ class Net(L.LightningModule):
         if a.fault != "unused_param":
             loss = loss + 0.01 * self.aux(h).pow(2).mean()
         self.log("train_loss", loss, sync_dist=True)
+        if a.fault == "log_rank_only" and self.global_rank == a.rank and idx == 3:
+            say(self.global_rank, "step 3: logging a debug metric")
+            self.log("debug_grad_scale", loss.detach() * 2, sync_dist=True)  # sync_dist on one rank only
         say(self.global_rank, f"step {idx} loss {loss.item():.4f}")
         return loss
 
