@@ -50,13 +50,13 @@ def run_mesh(rank: int, world: int, hit: bool) -> None:
     tp = mesh["tp"]
     say(rank, f"mesh {tuple(mesh.shape)} dp={mesh['dp'].get_local_rank()} tp={tp.get_local_rank()}")
     torch.manual_seed(0)
-    w = torch.randn(16, 8)
+    w = torch.randn(16, 12)
     for step in range(1, a.steps + 1):
         place = [Shard(0)]
         if a.fault == "placement" and hit and step == 3:  # this rank's sharding plan says Shard(1) for the weight
             place = [Shard(1)]
         dw = distribute_tensor(w, tp, place)
-        x = torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(step))
+        x = torch.randn(BATCH, 12, generator=torch.Generator().manual_seed(step))
         if a.fault == "redistribute_one" and hit and step == 3:  # a debug-only gather left behind a rank check
             say(rank, "gathering weight for inspection")
             insp = dw.redistribute(tp, [Replicate()]).to_local()
