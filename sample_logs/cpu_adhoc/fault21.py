@@ -207,7 +207,7 @@ def run_dcp(rank: int, world: int, hit: bool) -> None:
             if a.fault == "dcp_missing_key" and hit:
                 del m2.head  # the head was renamed/moved in this rank's code
                 m2.head = nn.Identity()
-            m2 = nn.parallel.DistributedDataParallel(m2)
+            # (an eval copy, not wrapped in DDP)
             o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
             msd, osd = get_state_dict(m2, o2)
             sd = {"model": msd}
