@@ -46,9 +46,13 @@ def run_mesh(rank: int, world: int, hit: bool) -> None:
     shape = (2, world // 2)
     if a.fault == "mesh_shape" and hit:  # this rank's launch config was written for a 2 x 3 job
         shape = (2, 3)
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
-    tp = mesh["tp"]
-    say(rank, f"mesh {tuple(mesh.shape)} dp={mesh['dp'].get_local_rank()} tp={tp.get_local_rank()}")
+    if a.fault == "redistribute_one":  # 1-D mesh over the world (its group keeps the 15 s timeout)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        tp, dpg = mesh, None
+    else:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+        tp, dpg = mesh["tp"], mesh["dp"].get_group()
+    say(rank, f"mesh {tuple(mesh.shape)} tp={tp.get_local_rank()}")
     torch.manual_seed(0)
     w = torch.randn(16, 12)
     for step in range(1, a.steps + 1):
@@ -57,15 +61,15 @@ def run_mesh(rank: int, world: int, hit: bool) -> None:
             place = [Shard(1)]
         dw = distribute_tensor(w, tp, place)
         x = torch.randn(BATCH, 12, generator=torch.Generator().manual_seed(step))
-        if a.fault == "redistribute_one" and hit and step == 3:  # a debug-only gather left behind a rank check
-            say(rank, "gathering weight for inspection")
-            insp = dw.redistribute(tp, [Replicate()]).to_local()
-            say(rank, f"weight norm {insp.norm().item():.4f}")
         full = dw.full_tensor()
         loss = (x @ full.t()).pow(2).mean()
         stats = torch.tensor([loss.item()])
-        dist.all_reduce(stats, group=mesh["dp"].get_group())
+        dist.all_reduce(stats, group=dpg)
         say(rank, f"step {step} loss {stats.item() / 2:.4f}")
+    if a.fault == "redistribute_one" and hit:  # a debug-only gather of the final weight left behind a rank check
+        say(rank, "gathering final weight for inspection")
+        insp = dw.redistribute(tp, [Replicate()]).to_local()
+        say(rank, f"weight norm {insp.norm().item():.4f}")
 
 
 # ---------------------------------------------------------------- FSDP2
