@@ -44,8 +44,8 @@ def run_mesh(rank: int, world: int, hit: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor, Shard, Replicate
     shape = (2, world // 2)
-    if a.fault == "mesh_shape" and hit:  # this rank's launch config was written for a 2 x 3 job
-        shape = (2, 3)
+    if a.fault == "mesh_shape" and hit:  # this rank's launch config was written for two more ranks
+        shape = (2, world // 2 + 1)
     if a.fault == "redistribute_one":  # 1-D mesh over the world (its group keeps the 15 s timeout)
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         tp, dpg = mesh, None
