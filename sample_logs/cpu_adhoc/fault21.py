@@ -77,6 +77,9 @@ def run_fsdp(rank: int, world: int, hit: bool) -> None:
     from torch.distributed.fsdp import fully_shard
     torch.manual_seed(0)
     model = MLP()
+    early = a.fault == "fsdp_opt_early" and hit
+    if early:  # this rank's code builds the optimizer before sharding (it holds the unsharded parameters)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     if a.fault == "fsdp_other" and hit:  # this rank's wrap policy shards only the root
         fully_shard(model)
     else:
@@ -84,7 +87,8 @@ def run_fsdp(rank: int, world: int, hit: bool) -> None:
             fully_shard(m)
         fully_shard(model)
     say(rank, "model sharded with fully_shard")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if not early:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01) if a.fault == "fsdp_opt_early" else torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
     for step in range(1, a.steps + 1):
         x, y = torch.randn(BATCH, 8, generator=g), torch.randint(0, 4, (BATCH,), generator=g)
@@ -99,6 +103,12 @@ def run_fsdp(rank: int, world: int, hit: bool) -> None:
         stats = torch.tensor([loss.item()])
         dist.all_reduce(stats)
         say(rank, f"step {step} loss {stats.item() / world:.4f}")
+        if a.fault == "fsdp_opt_early" and step == 2:  # a sharded checkpoint of model and optimizer
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+            import torch.distributed.checkpoint as dcp
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{CKPT}_{a.fault}")
+            say(rank, "saved sharded checkpoint")
 
 
 # ---------------------------------------------------------------- tensor parallel
