@@ -159,6 +159,8 @@ def run_pp(rank: int, world: int, hit: bool) -> None:
     block = Block(rank, last=rank == world - 1)
     stage = PipelineStage(block, rank, num_stages, torch.device("cpu"))
     n_micro = 4
+    if a.fault == "pp_nmicro" and hit:  # this rank's config kept the old n_microbatches
+        n_micro = 2
     batch = BATCH
     if a.fault == "pp_microbatch":  # the batch size was changed to 18 without changing n_microbatches
         batch = 18
