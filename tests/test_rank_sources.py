@@ -81,3 +81,70 @@ def test_the_one_rank_whose_nccl_link_broke_before_the_others_timed_out_is_the_r
     lines = text.splitlines(keepends=True)
     rc = _root(tmp_path, lines[0] + lines[2] + lines[1] + "".join(lines[3:]))
     assert rc["category"] == "collective_timeout"
+
+
+def test_accelerates_shape_list_names_the_rank_whose_shape_differs(tmp_path):
+    # accelerate 1.15's verify_operation under `accelerate launch --debug` (as in
+    # sample_logs/cpu_adhoc/acc_gather_shape_np5_r4_debug): every rank raises and lists each shape
+    error = ("[rank{r}]: accelerate.utils.operations.DistributedOperationException: Cannot apply desired operation "
+             "due to shape mismatches. All shapes across devices must be valid.\n[rank{r}]: \n"
+             "[rank{r}]: Operation: `accelerate.utils.operations.gather`\n[rank{r}]: Input shapes:\n"
+             + "".join(f"[rank{{r}}]:   - Process {p}: {'[16, 1]' if p == 3 else '[16]'}\n" for p in range(4)))
+    rc = _root(tmp_path, "".join(error.format(r=r) for r in range(4)))
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("dist.collective_mismatch", "collective_mismatch", 3)
+    # two shapes against two: no odd one out
+    even = error.replace("Process 2: [16]", "Process 2: [16, 1]")
+    assert _root(tmp_path, "".join(even.format(r=r) for r in range(4)))["rank"] != 3
+
+
+GLOO_TIMEOUT = ("[rank{r}]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:"
+                "129] Timed out waiting 15000ms for send operation to complete\n")
+GLOO_CLOSED = ("[rank{r}]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+               "Connection closed by peer [127.0.0.1]:26020. This is typically caused by a remote worker crashing.\n")
+
+
+def _in(rank: int, function: str, error: str) -> str:
+    """One rank's traceback ending in `function` (a frame of torch's own code), then `error`."""
+    path = ("/tmp/venv/torch/distributed/distributed_c10d.py" if function != "_engine_run_backward"
+            else "/tmp/venv/torch/autograd/graph.py")
+    return (f"[rank{rank}]: Traceback (most recent call last):\n"
+            f'[rank{rank}]:   File "/tmp/job/train.py", line 84, in loop\n[rank{rank}]:     step()\n'
+            f'[rank{rank}]:   File "{path}", line 979, in {function}\n[rank{rank}]:     work.wait()\n'
+            + error.format(r=rank))
+
+
+def test_the_one_rank_that_did_not_time_out_but_lost_the_others_was_elsewhere(tmp_path):
+    # sample_logs/cpu_adhoc/acc_main_only_barrier_np4: rank 0 alone in a barrier (a
+    # wait_for_everyone under `if is_main_process`); ranks 1-3 time out in DDP's backward all-reduce
+    text = _in(0, "barrier", GLOO_CLOSED) + "".join(_in(r, "_engine_run_backward", GLOO_TIMEOUT) for r in (1, 2, 3))
+    rc = _root(tmp_path, text)
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("gloo.timeout", "collective_timeout", 0)
+    # in the same collective as the waiting ranks, it lost them as their peer (sample_logs/cpu_adhoc/
+    # tag_mismatch_np5_r2_role): that says nothing of who was late
+    text = _in(0, "all_reduce", GLOO_CLOSED) + "".join(_in(r, "all_reduce", GLOO_TIMEOUT) for r in (1, 2, 3))
+    assert _root(tmp_path, text)["rank"] != 0
+
+
+def test_mpichs_banner_gives_the_signal_below_it_the_rank_above_it(tmp_path):
+    # MPICH 4 / Intel MPI hydra's bad-termination banner (as in bsc-performance-tools/extrae#101)
+    # after the survivors' gloo errors, which carry no rank of their own here
+    closed = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:547] Connection closed by peer "
+              "[10.0.0.3]:41562\n")
+    banner = ("=" * 83 + "\n=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n"
+              "=   RANK 2 PID 1236 RUNNING AT node01\n=   KILLED BY SIGNAL: 9 (Killed)\n" + "=" * 83 + "\n")
+    rc = _root(tmp_path, closed * 3 + "\n" + banner)
+    assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == ("signal.sigkill", "crash_signal", 2, 8)
+
+
+def test_a_launcher_line_right_after_an_exception_is_not_its_message(tmp_path):
+    # gaps round 40 row 43: rank 2's KeyError, then the agent of a node srun stopped; the launcher's
+    # `Received 15 death signal` is its own line, not the KeyError's message
+    text = ("[rank2]: Traceback (most recent call last):\n"
+            '[rank2]:   File "/workspace/train.py", line 30, in main\n[rank2]:     batch = next(it)\n'
+            "[rank2]: KeyError: 'input_ids'\n"
+            "W1201 10:00:06.000000 1200 torch/distributed/elastic/agent/server/api.py:753] Received 15 death signal, "
+            "shutting down workers\n"
+            "W1201 10:00:06.000000 1200 torch/distributed/elastic/multiprocessing/api.py:1029] Sending process 1234 "
+            "closing signal SIGTERM\n")
+    rc = _root(tmp_path, text)
+    assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == ("python.exception", "python_exception", 2, 4)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from logtriage.analysis.abort_rank import abort_names_rank
+from logtriage.analysis.abort_rank import abort_names_rank, banner_rank
 from logtriage.analysis.childfailed import ChildFailure, is_own_failure, parse_child_failures
 from logtriage.analysis.diverged import different_collectives_at_one_seq
 from logtriage.analysis.environment import Environment, collect_environment
@@ -85,7 +85,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = unique_id_host_left(root, catalog)
     if root is not None:
         ray = scan.facts.ray_workers or any(".ray_" in f.rule.id for f in findings)   # Ray: a GPU per worker
-        root = abort_names_rank(root, findings)
+        root = banner_rank(abort_names_rank(root, findings), findings)
         root = oom_device_rank(root, scan.multi_node or any(k.host for k in keys), ray)
         root = oom_on_shared_gpu(root, len(facts.known), catalog)
     if root is not None and root.rule.category is Category.EXTERNAL_STOP:
@@ -197,6 +197,9 @@ def _merge_stats(scan: ScanResult, keys: list[StreamKey]) -> dict[StreamKey, Slo
     return merged
 
 
+SHAPES_RULE = "context.process_shapes"   # accelerate's per-process shapes under a mismatch
+
+
 def _rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure], findings: list[Finding],
                 world_size: int | None) -> RankFacts:
     speaking = {k.rank for k, s in stats.items() if k.kind is StreamKind.RANK and s.lines}
@@ -218,7 +221,10 @@ def _rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure],
         if key.kind is StreamKind.RANK and s.last_step is not None:
             last_step[key.rank] = s.last_step
     summary_root = next((f.rank for f in reversed(failures) if f.is_root_cause), None)
-    return RankFacts(frozenset(known), exit_codes, frozenset(completed), last_step, summary_root, frozenset(speaking))
+    shapes = {int(f.captures["process"]): f.captures["shape"] for f in findings
+              if f.rule.id == SHAPES_RULE and f.captures.get("process", "").isdigit()}
+    return RankFacts(frozenset(known), exit_codes, frozenset(completed), last_step, summary_root, frozenset(speaking),
+                     shapes)
 
 
 def _first_progress(stats: dict[StreamKey, SlotStats]) -> tuple[int, int] | None:

@@ -36,6 +36,9 @@ _CHECKPOINT_PATH = re.compile(r"'[^']*(?:checkpoint|ckpt)[^']*'", re.IGNORECASE)
 _MISSING_PATH = re.compile(r"is not a valid (?:directory|file|path)|does not exist|(?:not found|No such file)\b")
 # an object store answering that the key is not there (botocore's ClientError)
 _MISSING_OBJECT = re.compile(r"\((?:404|NoSuchKey)\) when calling the \w+ operation")
+# the file system refusing a write: a save into such a place fails whatever the checkpoint holds
+_UNWRITABLE = re.compile(r"Permission denied|Operation not permitted|Read-only file system|No space left on device"
+                         r"|Disk quota exceeded")
 # pickle refusing an object (a lambda, a local class, an open file): inside a save, the save's failure
 _UNPICKLABLE = re.compile(r"Can't pickle|cannot pickle|Can't get local object")
 
@@ -56,7 +59,12 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
     elif kind in FILE_SYSTEM_ERRORS or (f.checkpoint_frame and root.rule.id == "host.filesystem_error"):
         # (the file system's own errors whatever their type: torch 1.x's `RuntimeError: write(): fd N
         # failed with Input/output error`)
-        rule_id = "ckpt.not_found" if kind == "FileNotFoundError" and loading else "ckpt.io_error"
+        if kind == "FileNotFoundError" and loading:
+            rule_id = "ckpt.not_found"
+        elif not loading and (kind == "PermissionError" or _UNWRITABLE.search(f.text)):
+            rule_id = "ckpt.write_failed"   # a save refused by the target: no permission, read-only, full
+        else:
+            rule_id = "ckpt.io_error"
     elif loading and _MISSING_OBJECT.search(f.text):
         rule_id = "ckpt.not_found"   # an object store's 404 for the checkpoint's key
     elif kind == "ValueError" and f.checkpoint_frame and _MISSING_PATH.search(f.text):
@@ -75,6 +83,8 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
 GPU_COUNT_FRAMES = frozenset({"_init_dist_pytorch", "_init_dist_slurm", "_init_dist_mpi", "init_dist"})
 # torchrun parsing its own options (`--nproc_per_node gpu|cpu|auto|N`): a bad value is a usage error
 LAUNCHER_OPTION_FRAMES = frozenset({"determine_local_world_size", "parse_min_max_nnodes", "_get_rdzv_endpoint"})
+# DCP's state-dict helper maps each optimizer parameter to the model's names (fqn_pid_mapping)
+OPTIM_STATE_FRAME = "_get_optim_state_dict"
 # multiprocessing's spawn child unpickles what its parent sent; an empty pipe means the parent failed
 SPAWN_CHILD_FRAME = "_main"
 # a DataLoader worker's exception, re-raised by the main process (`Caught RuntimeError in DataLoader
@@ -137,6 +147,12 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
         rule, why = catalog.get("data.cache_race"), (
             f"the {kind} was raised reading torch.compile's on-disk cache (`{f.last_frame}` in Inductor's cache "
             "code): another rank on the node was writing the same entry, so it read half a file")
+    elif kind == "KeyError" and root.rule.id in GENERIC_RULES and f.last_frame == OPTIM_STATE_FRAME \
+            and f.last_file.endswith("distributed/checkpoint/state_dict.py"):
+        rule, why = catalog.get("ddp.fsdp_optimizer_params"), (
+            "the KeyError is raised in DCP's `_get_optim_state_dict`, which maps the optimizer's parameters to the "
+            "model's: the optimizer holds parameters the (sharded) model does not, as when it was built before "
+            "FSDP or fully_shard replaced them")
     elif root.rule.id == "ckpt.write_failed" and f.last_frame and not f.checkpoint_frame and _DISK_FULL.search(f.text):
         rule, why = catalog.get("host.filesystem_error"), (
             f"the disk filled up in `{f.last_frame}`, outside any checkpoint code (no save frame): another "

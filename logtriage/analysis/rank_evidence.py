@@ -145,6 +145,18 @@ def mismatch_odd_one_out(live: list[Finding]) -> int | None:
     return odd[0] if len(odd) == 1 and list(counts.values()).count(majority) == 1 else None
 
 
+def odd_shape(shapes: dict[int, str]) -> int | None:
+    """A framework's list of every process's input shape (accelerate's shape check): the one rank
+    whose shape differs from all the others', which agree."""
+    if len(shapes) < 3:
+        return None
+    counts: dict[str, int] = {}
+    for shape in shapes.values():
+        counts[shape] = counts.get(shape, 0) + 1
+    odd = [r for r, shape in shapes.items() if counts[shape] == 1]
+    return odd[0] if len(odd) == 1 and len(counts) == 2 else None
+
+
 def lone_speaker(first: Finding, live: list[Finding], facts: RankFacts) -> int | None:
     """An excerpt where one rank's own lines are all there is (a kernel's assert printed without
     a prefix, then rank 104's traceback cut before its exception): the unattributed error is that

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.rank_evidence import (all_exited_alike, lone_speaker, mismatch_odd_one_out, missing_from_barrier,
-                                              rank_from_exit_codes, rank_reporting_the_same,
+                                              odd_shape, rank_from_exit_codes, rank_reporting_the_same,
                                               rank_the_launcher_saw_fail, rank_the_timeouts_wait_for, refine_rank)
 from logtriage.analysis.roots import ChainLink, ChainRole, RankFacts, RootCause, earliest
 from logtriage.analysis.timeouts import missing_rank_root, named_culprit
@@ -205,7 +205,8 @@ def _specific_in_block(first: Finding, candidates: list[Finding]) -> Finding:
     if first.rule.id != GENERIC_EXCEPTION_RULE:
         return first
     specific = next((f for f in candidates if f.source == first.source and 0 < f.line - first.line <= MESSAGE_LINES
-                     and f.rule.id != GENERIC_EXCEPTION_RULE and f.block_id in (first.block_id, -1)), None)
+                     and f.rule.id != GENERIC_EXCEPTION_RULE and f.block_id in (first.block_id, -1)
+                     and f.stream.kind is not StreamKind.LAUNCHER), None)   # the launcher's lines are its own
     if specific is None:
         return first
     # the message's lines belong to the exception's process and carry its type
@@ -273,6 +274,8 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
         reasons.append(f"rank(s) {', '.join(map(str, missing))} never reached the start-up barrier the others "
                        f"waited in")
     odd = mismatch_odd_one_out(live)
+    if odd is None:
+        odd = odd_shape(facts.reported_shapes)
     if odd is not None and first.category is Category.COLLECTIVE_MISMATCH:
         return RootCause(first.rule, first, odd, (odd,), confidence, (
             f"rank {odd} ran a different collective (op, shape or dtype) from every other rank",))

@@ -52,6 +52,9 @@ class RankFacts:
     last_step: dict[int, int] = field(default_factory=dict)
     summary_root: int | None = None     # the rank torchelastic's "Root Cause (first observed failure)" names
     speaking: frozenset[int] = frozenset()   # ranks with lines of their own in the log
+    # rank -> the input shape it passed, from a framework's list of every process's shape
+    # (accelerate's `- Process 4: [16, 1]` under a shape-mismatch error)
+    reported_shapes: dict[int, str] = field(default_factory=dict)
 
 
 def earliest(findings: list[Finding]) -> Finding:

@@ -97,7 +97,11 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
                 "cannot be read as missing from the collective",))
         return RootCause(first.rule, first, only, (only,), 0.4, (
             f"rank {only} is the only rank in this log, and it timed out in a collective",))
-    odd = _odd_collective(timeouts)
+    # the ranks whose wait ended on a closed connection were in a collective too: theirs counts
+    closed_in = [f for f in live if f.rank in peer_closed - ahead - timed_out and f.role is Role.CASCADE_CANDIDATE
+                 and f.category is Category.COLLECTIVE_ERROR]
+    odd = _odd_collective(timeouts + closed_in) if len(timed_out) + len({f.rank for f in closed_in}) >= 3 else \
+        _odd_collective(timeouts)
     if odd is not None:
         rank, place, others = odd
         slower = _still_in_the_loop(facts, timed_out, rank, others)
@@ -114,6 +118,14 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
     if behind is not None:
         return RootCause(first.rule, first, behind, (behind,), 0.4, (
             f"every rank timed out; rank {behind} was behind the others (lowest last step)",))
+    lone = _waited_elsewhere(live, timeouts, peer_closed - timed_out) if not missing else None
+    if lone is not None:
+        # every rank is accounted for, and all but one timed out; that one's wait, in another
+        # collective than theirs, ended only when they gave up and closed their connections
+        return RootCause(first.rule, first, lone, (lone,), 0.45, (
+            f"ranks {ranges(sorted(timed_out), limit=8)} timed out in a collective; rank {lone} did not time out, "
+            f"its own wait ended on their closed connections: it was not in their collective (late, or in another "
+            f"one its code took)",))
     return RootCause(first.rule, first, None, tuple(sorted(timed_out)), 0.35,
                      ("every rank timed out and nothing in the log tells them apart",))
 
@@ -130,6 +142,20 @@ def _link_failed_first(live: list[Finding], timed_out: set[int], first: Finding)
               and f.seq < first.seq and clearly_before(first.stamp, f.stamp) is not True]
     ranks = {f.rank for f in broken}
     return earliest(broken) if len(ranks) == 1 else None
+
+
+def _waited_elsewhere(live: list[Finding], timeouts: list[Finding], closed: set[int]) -> int | None:
+    """The one rank that did not time out but lost its peers, when its traceback shows it in another
+    collective than every timed-out rank's (a barrier only rank 0 entered, while the others sat in
+    DDP's backward): a peer of the waiting ranks in their own collective loses them the same way."""
+    if len(closed) != 1 or len({f.rank for f in timeouts if f.rank is not None}) < 2:
+        return None
+    lone = next(iter(closed))
+    places = {f.collective or f.last_frame for f in timeouts if f.rank is not None}
+    own = {f.collective or f.last_frame for f in live if f.rank == lone and f.role is Role.CASCADE_CANDIDATE}
+    if "" in places or len(own) != 1 or "" in own or own & places:
+        return None
+    return lone
 
 
 def unseen_ranks(facts: RankFacts) -> frozenset[int]:
