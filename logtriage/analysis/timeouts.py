@@ -100,8 +100,8 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
     # the ranks whose wait ended on a closed connection were in a collective too: theirs counts
     closed_in = [f for f in live if f.rank in peer_closed - ahead - timed_out and f.role is Role.CASCADE_CANDIDATE
                  and f.category is Category.COLLECTIVE_ERROR]
-    odd = _odd_collective(timeouts + closed_in) if len(timed_out) + len({f.rank for f in closed_in}) >= 3 else \
-        _odd_collective(timeouts)
+    enough = len(timed_out) + len({f.rank for f in closed_in}) >= 3   # two ranks: `_left_the_loop`'s reading
+    odd = _odd_collective(timeouts + closed_in if enough else timeouts)
     if odd is not None:
         rank, place, others = odd
         slower = _still_in_the_loop(facts, timed_out, rank, others)
