@@ -54,8 +54,9 @@ _WRAPPER_RULES = frozenset({"signal.native_terminate"})
 _WORKER_FIELDS = frozenset({"local_rank", "pid", "process", "task"})
 _INFO_LINE = re.compile(r"^\[?I\d{3,4} \d\d:\d\d:\d\d")
 # a line c10 (or torchelastic's logger) printed at WARNING level: `[W socket.cpp:601] ...`,
-# `[W1130 10:00:00.123456789 socket.cpp:764] ...`, `W0422 05:07:49.013000 204 ...api.py:...] ...`
-_WARNING_LINE = re.compile(r"^\[?W\d{3,4} \d\d:\d\d:\d\d|^\[W [\w.]+:\d+\]")
+# `[W1130 10:00:00.123456789 socket.cpp:764] ...`, `W0422 05:07:49.013000 204 ...api.py:...] ...`,
+# and Python logging's default format, `WARNING:megatron.core...:message`
+_WARNING_LINE = re.compile(r"^\[?W\d{3,4} \d\d:\d\d:\d\d|^\[W [\w.]+:\d+\]|^WARNING:[\w.]+:")
 # numbers, with a size's unit (`433.81 MiB` and `3.63 GiB` free on two ranks' GPUs are one kind of message)
 _MASK = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)? ?(?:[KMGTP]i?B|bytes)\b|\d+")
 
