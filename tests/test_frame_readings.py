@@ -40,4 +40,4 @@ def test_the_same_errors_outside_the_compile_cache_keep_their_own_reading(tmp_pa
     log.write_text(FRAMES.format(path="/workspace/train.py", line=88, function="load_state", code="state = torch.load(p)",
                                  error="EOFError: Ran out of input"))
     rc = triage([str(log)]).to_dict()["root_cause"]
-    assert (rc["category"], rc["rank"]) == ("checkpoint", 1)
+    assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == ("ckpt.corrupt_archive", "checkpoint", 1, 6)

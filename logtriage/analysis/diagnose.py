@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from logtriage.analysis.abort_rank import abort_names_rank, banner_rank
+from logtriage.analysis.abort_rank import launcher_named_rank
 from logtriage.analysis.childfailed import ChildFailure, is_own_failure, parse_child_failures
 from logtriage.analysis.diverged import different_collectives_at_one_seq
 from logtriage.analysis.environment import Environment, collect_environment
@@ -85,7 +85,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = unique_id_host_left(root, catalog)
     if root is not None:
         ray = scan.facts.ray_workers or any(".ray_" in f.rule.id for f in findings)   # Ray: a GPU per worker
-        root = banner_rank(abort_names_rank(root, findings), findings)
+        root = launcher_named_rank(root, findings)
         root = oom_device_rank(root, scan.multi_node or any(k.host for k in keys), ray)
         root = oom_on_shared_gpu(root, len(facts.known), catalog)
     if root is not None and root.rule.category is Category.EXTERNAL_STOP:

@@ -36,9 +36,9 @@ _CHECKPOINT_PATH = re.compile(r"'[^']*(?:checkpoint|ckpt)[^']*'", re.IGNORECASE)
 _MISSING_PATH = re.compile(r"is not a valid (?:directory|file|path)|does not exist|(?:not found|No such file)\b")
 # an object store answering that the key is not there (botocore's ClientError)
 _MISSING_OBJECT = re.compile(r"\((?:404|NoSuchKey)\) when calling the \w+ operation")
-# the file system refusing a write: a save into such a place fails whatever the checkpoint holds
-_UNWRITABLE = re.compile(r"Permission denied|Operation not permitted|Read-only file system|No space left on device"
-                         r"|Disk quota exceeded")
+# the file system refusing a write (with _DISK_FULL below): a save into such a place fails whatever
+# the checkpoint holds
+_UNWRITABLE = re.compile(r"Permission denied|Operation not permitted|Read-only file system")
 # pickle refusing an object (a lambda, a local class, an open file): inside a save, the save's failure
 _UNPICKLABLE = re.compile(r"Can't pickle|cannot pickle|Can't get local object")
 
@@ -61,7 +61,7 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
         # failed with Input/output error`)
         if kind == "FileNotFoundError" and loading:
             rule_id = "ckpt.not_found"
-        elif not loading and (kind == "PermissionError" or _UNWRITABLE.search(f.text)):
+        elif not loading and (kind == "PermissionError" or _UNWRITABLE.search(f.text) or _DISK_FULL.search(f.text)):
             rule_id = "ckpt.write_failed"   # a save refused by the target: no permission, read-only, full
         else:
             rule_id = "ckpt.io_error"

@@ -6,6 +6,8 @@ the only rank whose own lines are in an excerpt."""
 from __future__ import annotations
 
 import re
+from collections import Counter
+from collections.abc import Hashable, Mapping
 
 from logtriage.analysis.childfailed import is_own_failure
 from logtriage.analysis.findings import Finding, short_type
@@ -135,26 +137,17 @@ def mismatch_odd_one_out(live: list[Finding]) -> int | None:
             continue
         prints.setdefault(int(c["self_rank"]), (c.get("op"), c.get("shape"), c.get("dtype")))
         prints.setdefault(int(c["other_rank"]), (c.get("other_op"), c.get("other_shape"), c.get("other_dtype")))
-    if len(prints) < 3:
-        return None
-    counts: dict[tuple, int] = {}
-    for fingerprint in prints.values():
-        counts[fingerprint] = counts.get(fingerprint, 0) + 1
-    majority = max(counts.values())
-    odd = [r for r, fp in prints.items() if counts[fp] < majority]
-    return odd[0] if len(odd) == 1 and list(counts.values()).count(majority) == 1 else None
+    return odd_one_out(prints)
 
 
-def odd_shape(shapes: dict[int, str]) -> int | None:
-    """A framework's list of every process's input shape (accelerate's shape check): the one rank
-    whose shape differs from all the others', which agree."""
-    if len(shapes) < 3:
+def odd_one_out(by_rank: Mapping[int, Hashable]) -> int | None:
+    """Of three or more ranks, the one whose value (a collective's fingerprint, the input shape a
+    framework's shape check lists for each process) differs from all the others', which agree."""
+    counts = Counter(by_rank.values())
+    if len(by_rank) < 3 or len(counts) != 2:
         return None
-    counts: dict[str, int] = {}
-    for shape in shapes.values():
-        counts[shape] = counts.get(shape, 0) + 1
-    odd = [r for r, shape in shapes.items() if counts[shape] == 1]
-    return odd[0] if len(odd) == 1 and len(counts) == 2 else None
+    odd = [r for r, value in by_rank.items() if counts[value] == 1]
+    return odd[0] if len(odd) == 1 else None
 
 
 def lone_speaker(first: Finding, live: list[Finding], facts: RankFacts) -> int | None:

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.rank_evidence import (all_exited_alike, lone_speaker, mismatch_odd_one_out, missing_from_barrier,
-                                              odd_shape, rank_from_exit_codes, rank_reporting_the_same,
+                                              odd_one_out, rank_from_exit_codes, rank_reporting_the_same,
                                               rank_the_launcher_saw_fail, rank_the_timeouts_wait_for, refine_rank)
 from logtriage.analysis.roots import ChainLink, ChainRole, RankFacts, RootCause, earliest
 from logtriage.analysis.timeouts import missing_rank_root, named_culprit
@@ -275,7 +275,7 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
                        f"waited in")
     odd = mismatch_odd_one_out(live)
     if odd is None:
-        odd = odd_shape(facts.reported_shapes)
+        odd = odd_one_out(facts.reported_shapes)
     if odd is not None and first.category is Category.COLLECTIVE_MISMATCH:
         return RootCause(first.rule, first, odd, (odd,), confidence, (
             f"rank {odd} ran a different collective (op, shape or dtype) from every other rank",))

@@ -7,6 +7,7 @@ source of the broadcast the others waited to receive."""
 from __future__ import annotations
 
 from logtriage.analysis.findings import Finding
+from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.roots import RankFacts, RootCause, earliest
 from logtriage.analysis.timestamps import clearly_before
 from logtriage.catalog.rule import Category, Role
@@ -190,16 +191,13 @@ def _odd_collective(timeouts: list[Finding]) -> tuple[int, str, str] | None:
     Python frame of its own) is the one whose code took a different path."""
     by_rank = {f.rank: f.collective or f.last_frame for f in timeouts
                if f.rank is not None and (f.collective or f.last_frame)}
-    names = list(by_rank.values())
     if len(by_rank) == 2:
         return _left_the_loop(timeouts)
-    if len(by_rank) < 3:
+    rank = odd_one_out(by_rank)
+    if rank is None:
         return None
-    odd = [r for r, name in by_rank.items() if names.count(name) == 1]
-    if len(odd) != 1 or len(set(names)) != 2:
-        return None
-    place = by_rank[odd[0]]
-    return odd[0], place, next(name for name in names if name != place)
+    place = by_rank[rank]
+    return rank, place, next(name for name in by_rank.values() if name != place)
 
 
 def _left_the_loop(timeouts: list[Finding]) -> tuple[int, str, str] | None:
