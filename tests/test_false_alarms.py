@@ -19,6 +19,15 @@ OOM = ("[rank2]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2
     "[rank0]:'(ReadTimeoutError(\"HTTPSConnectionPool(host='huggingface.co', port=443): Read timed out. "
     "(read timeout=10)\"), '(Request ID: 0b3c5e2a-7f1d-4a4e-9d2b-1f2e3d4c5b6a)')' thrown while requesting HEAD "
     "https://huggingface.co/meta-llama/Llama-3.1-8B/resolve/main/config.json\n[rank0]:Retrying in 1s [Retry 1/5].\n",
+    # NCCL skipping one HCA of several (transport/net_ib), then naming the devices it uses
+    "[rank0]:node01:1235:1290 [0] misc/ibvwrap.cc:212 NCCL WARN Call to ibv_open_device failed\n"
+    "[rank0]:node01:1235:1290 [0] transport/net_ib/init.cc:334 NCCL WARN NET/IB : Unable to open device mlx5_58\n"
+    "[rank0]:node01:1235:1290 [0] NCCL INFO NET/IB : Using [0]mlx5_1:1/RoCE [1]mlx5_2:1/RoCE ; OOB eth0:10.0.0.1<0>\n"
+    "[rank0]:node01:1235:1290 [0] NCCL INFO Using network IB\n",
+    # Inductor max-autotune dropping one candidate kernel (select_algorithm.py's log.error)
+    "[rank0]:E1201 10:00:05.000000 1200 torch/_inductor/select_algorithm.py:2210] Runtime error during autotuning: \n"
+    "[rank0]:CUDA error: invalid argument\n[rank0]:For debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+    "[rank0]:. \n[rank0]:Ignoring this choice.\n",
 ])
 def test_a_warning_the_run_went_on_from_is_not_the_root(tmp_path, line):
     log = tmp_path / "run.log"
@@ -36,3 +45,36 @@ def test_the_same_texts_raised_still_fail_the_run(tmp_path):
     log.write_text("[rank0]: requests.exceptions.ReadTimeout: (ReadTimeoutError(\"HTTPSConnectionPool(host="
                    "'huggingface.co', port=443): Read timed out. (read timeout=10)\"), '(Request ID: 0b6f1c2e-9d3a)')\n")
     assert triage([str(log)]).to_dict()["root_cause"]["rule_id"] == "env.hub_unreachable"
+
+
+def test_a_device_nccl_could_not_open_fails_the_run_when_nothing_follows(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text("[rank0]:node01:1235:1290 [0] transport/net_ib/init.cc:334 NCCL WARN NET/IB : Unable to open "
+                   "device mlx5_0\n[rank0]:node01:1235:1290 [0] NCCL WARN Failed to initialize any NET plugin\n")
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["line"]) == ("nccl.net_setup", 0, 1)
+
+
+def test_another_process_going_on_does_not_clear_the_device_error(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text("node01:1235:1290 [0] transport/net_ib/init.cc:334 NCCL WARN NET/IB : Unable to open device mlx5_0\n"
+                   "node01:1236:1291 [1] NCCL INFO Using network IB\n")
+    assert triage([str(log)]).to_dict()["root_cause"]["rule_id"] == "nccl.net_setup"
+
+
+@pytest.mark.parametrize("hook", [
+    # wandb's atexit hook writing to its service after it quit
+    ["Traceback (most recent call last):", '  File "/usr/lib/python3.11/site-packages/wandb/sdk/wandb_run.py", '
+     'line 2380, in _atexit_cleanup', "    self._on_finish()", "BrokenPipeError: [Errno 32] Broken pipe"],
+    # matplotlib's Tk figure manager finalised from the wrong thread at exit
+    ["Traceback (most recent call last):", '  File "/usr/lib/python3.11/tkinter/__init__.py", line 410, in __del__',
+     "    self._tk.call('info', 'exists', self._name)", "RuntimeError: main thread is not in main loop"],
+])
+def test_an_atexit_hook_raising_after_the_run_is_not_the_root(tmp_path, hook):
+    block = "".join(f"[rank0]:{line}\n" for line in ["Error in atexit._run_exitfuncs:", *hook])
+    log = tmp_path / "run.log"
+    log.write_text(FINISHED + block)
+    assert triage([str(log)]).to_dict()["verdict"] == "ok"
+    log.write_text(OOM + block)
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["rank"]) == ("cuda.oom", 2)

@@ -15,6 +15,7 @@ from typing import Mapping
 
 from logtriage.analysis.childfailed import ChildFailure, signal_name
 from logtriage.analysis.timestamps import Stamp
+from logtriage.analysis.went_on import mark_went_on
 from logtriage.catalog.rule import Category, Role, Rule, Severity
 from logtriage.demux.blocks import EXCEPTION_HEAD
 from logtriage.demux.launcher import PY_GLOG
@@ -93,6 +94,7 @@ class Finding:
     last_frame: str = ""              # that traceback's innermost function (where the process was)
     broadcast_src: int | None = None  # the src rank of the broadcast that traceback was in
     last_file: str = ""               # the file of last_frame (`.../site-packages/flash_attn/...`)
+    went_on: bool = False             # the program said it went on from this (went_on.py)
 
     @property
     def role(self) -> Role:
@@ -111,7 +113,7 @@ class Finding:
         one logged at WARNING level by a rule that says so (c10d's `[W socket.cpp:601] ... cannot
         be retrieved (gai error ...)`, after which it retries and usually connects)."""
         return (self.rule.severity is Severity.ERROR and self.rule.role is not Role.CONTEXT
-                and not _INFO_LINE.match(self.text) and not self.logged_as_warning)
+                and not _INFO_LINE.match(self.text) and not self.logged_as_warning and not self.went_on)
 
     @property
     def logged_as_warning(self) -> bool:
@@ -213,7 +215,7 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
                                 scan.block_collectives.get(hit.block_id, ""),
                                 scan.block_checkpoint_frames.get(hit.block_id, ""), frame,
                                 scan.block_broadcast_sources.get(hit.block_id), frame_file))
-    findings = _best_per_traceback(findings, scan.block_kinds)
+    findings = _best_per_traceback(mark_went_on(findings), scan.block_kinds)
     return attribute_by_signal(findings, failures)
 
 

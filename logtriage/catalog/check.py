@@ -10,6 +10,7 @@ def check_catalog(catalog: Catalog, require_docs: bool = True) -> list[str]:
     """All problems: the loader's plus each rule's documentation and examples."""
     problems = list(catalog.problems)
     aliases: dict[str, str] = {}
+    ids = {compiled.rule.id for compiled in catalog.rules}
     for compiled in catalog.rules:
         rule = compiled.rule
         where = f"{rule.path}: {rule.id}"
@@ -17,6 +18,8 @@ def check_catalog(catalog: Catalog, require_docs: bool = True) -> list[str]:
             problems += [f"{where}: missing '{f}'" for f in DOC_FIELDS if not _has(rule, f)]
             if not rule.derived and not rule.examples:
                 problems.append(f"{where}: no [[examples]]")
+        problems += [f"{where}: recovered_by names no rule '{other}'" for other in rule.recovered_by
+                     if other not in ids]
         for alias in rule.aliases:
             key = alias.lower()
             if key in aliases and aliases[key] != rule.id:

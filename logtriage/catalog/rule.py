@@ -61,7 +61,7 @@ REQUIRED_FIELDS = ("id", "title", "category", "role")
 DOC_FIELDS = ("layer", "explanation", "fix", "misdiagnosis", "references")
 KNOWN_FIELDS = frozenset(REQUIRED_FIELDS + DOC_FIELDS + (
     "patterns", "severity", "priority", "aliases", "status", "engine", "examples",
-    "counterexamples", "derived", "teardown", "benign_at_warning_level", "stuck",
+    "counterexamples", "derived", "teardown", "benign_at_warning_level", "stuck", "recovered_by",
 ))
 
 
@@ -106,6 +106,10 @@ class Rule:
     benign_at_warning_level: bool = False
     # as a root: the job was stuck when something stopped it (a test harness's timeout): verdict hung
     stuck: bool = False
+    # rule ids whose finding a little later in the same process says the program went on from this
+    # one (NCCL's `NET/IB : Using [0]mlx5_1` after a device it could not open; Inductor's `Ignoring
+    # this choice.` after an autotune candidate's CUDA error): then this finding is no error
+    recovered_by: tuple[str, ...] = ()
     path: str = ""
 
     @property
@@ -151,6 +155,7 @@ class Rule:
             teardown=bool(data.get("teardown", False)),
             benign_at_warning_level=bool(data.get("benign_at_warning_level", False)),
             stuck=bool(data.get("stuck", False)),
+            recovered_by=_strings(data, "recovered_by"),
             path=path,
         )
 
@@ -161,7 +166,7 @@ class Rule:
             "layer": self.layer.value if self.layer else None, "role": self.role.value,
             "severity": self.severity.value, "priority": self.priority, "teardown": self.teardown,
             "benign_at_warning_level": self.benign_at_warning_level, "stuck": self.stuck,
-            "aliases": list(self.aliases), "status": self.status, "patterns": list(self.patterns),
+            "recovered_by": list(self.recovered_by), "aliases": list(self.aliases), "status": self.status, "patterns": list(self.patterns),
             "explanation": self.explanation, "fix": self.fix, "misdiagnosis": self.misdiagnosis,
             "references": list(self.references), "path": self.path,
             "examples": [e.line for e in self.examples],

@@ -30,7 +30,8 @@ TRACEBACK_START = re.compile(r"^Traceback \(most recent call last\):\s*$")
 # at shutdown): the traceback under it did not end the process
 # (also the logging module's `--- Logging error ---`: a handler failed to write a record, printed
 # the traceback and the call stack, and the program went on)
-IGNORED_START = re.compile(r"^(?:Exception ignored (?:in|on)\b|--- Logging error ---\s*$)")
+IGNORED_START = re.compile(r"^(?:Exception ignored (?:in|on)\b|--- Logging error ---\s*$"
+                           r"|Error in atexit\._run_exitfuncs:\s*$)")
 # a chained traceback's link: what follows is the next exception of the chain
 CHAIN = re.compile(r"^(?:During handling of the above exception, another exception occurred:"
                    r"|The above exception was the direct cause of the following exception:)\s*$")

@@ -33,7 +33,7 @@ STRUCTURAL = (
     "[launch.py:", "[runner.py:", "[launcher_helper.py:", "[multinode_runner.py:",
     ":torch.distributed.", ":__main__:", ":torch.multiprocessing", "_JSON=", "-- Process",
     "torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher",   # the 2.x logger
-    "ERROR", "CRITICAL", "FATAL", "Exception", "exception", "orld", "ORLD", "nproc", "gloo", "+cpu",
+    "ERROR", "CRITICAL", "FATAL", "Exception", "exception", "atexit._run_exitfuncs", "orld", "ORLD", "nproc", "gloo", "+cpu",
 )
 
 
