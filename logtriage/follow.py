@@ -29,7 +29,7 @@ from logtriage.demux.prefixes import Dialect
 from logtriage.demux.streams import SlotKind, StreamKind
 from logtriage.errors import InputError, UsageError
 from logtriage.ingest.reader import MAX_LINE, TAIL, capped
-from logtriage.ingest.sources import Source, display_name, starts_gzip
+from logtriage.ingest.sources import Source, display_name, starts_gzip, utf16_codec
 from logtriage.report.model import Report
 from logtriage.report.safe import terminal_safe
 from logtriage.scan import DIALECT_SAMPLE, LineScanner, ScanResult, SourceIndex, new_result
@@ -246,6 +246,9 @@ def _source(target: str) -> Source:
     try:
         if starts_gzip(path):
             raise UsageError(f"{target}: a compressed file cannot be followed")
+        with open(path, "rb") as f:
+            if utf16_codec(f.read(4096)):
+                raise UsageError(f"{target}: a UTF-16 file cannot be followed (convert it: iconv -f UTF-16 -t UTF-8)")
     except OSError as exc:
         raise InputError(f"{target}: cannot read ({exc.strerror or exc})") from None
     return Source(0, display_name(target), path)

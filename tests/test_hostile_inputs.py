@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import io
+import json
 import os
 import random
 import subprocess
@@ -85,6 +86,28 @@ def test_mixed_utf8_and_latin1_in_one_line():
     assert decode("grün ".encode() + b"gr\xfcn \xed\xa0\x80 \xff") == "grün grün í\xa0\x80 ÿ"
     assert decode(b"\xff" * 10_000) == "\xff" * 10_000           # long and binary: Latin-1 at once
     assert decode("ok ✓".encode()) == "ok ✓"
+
+
+@pytest.mark.parametrize("codec, bom", [("utf-16-le", "\ufeff"), ("utf-16-be", "\ufeff"), ("utf-16-le", "")])
+def test_a_utf16_log_reads_like_its_utf8_text(tmp_path, codec, bom):
+    # PowerShell's `>` and Notepad's "Unicode" write UTF-16 (with a byte-order mark); read as bytes
+    # it was a run with no error at all
+    text = RANK_EXCEPTION.read_text(encoding="utf-8")
+    _, want = triage_file(write(tmp_path, text.encode(), "utf8.log"))
+    _, got = triage_file(write(tmp_path, (bom + text).encode(codec), "utf16.log"))
+    key = ("rule_id", "rank", "line", "text", "exception_type")
+    assert [got["root_cause"][k] for k in key] == [want["root_cause"][k] for k in key]
+    assert got["input_lines"] == want["input_lines"]
+    piped = subprocess.run([sys.executable, "-m", "logtriage", "-", "--format", "json"], cwd=ROOT,
+                           input=(bom + text).encode(codec), capture_output=True, env=environment())
+    assert piped.returncode == 0
+    assert json.loads(piped.stdout)["root_cause"]["line"] == want["root_cause"]["line"]
+
+
+def test_unicode_blanks_and_typographic_quotes_read_as_ascii():
+    # a traceback copied from a web page: no-break spaces, a zero-width space, curly quotes
+    assert clean("\ufeff[rank1]:\xa0 File \u201ctrain.py\u201d, line\u202f3") == '[rank1]:  File "train.py", line 3'
+    assert clean("KeyError:\u00a0\u2018target\u2019\u200b") == "KeyError: 'target'"
 
 
 # -- line ends: CRLF, lone CR (tqdm) --------------------------------------------------------------

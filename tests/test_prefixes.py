@@ -253,3 +253,31 @@ def test_a_supervisors_constant_tag_on_most_lines_is_stripped_but_a_log_level_is
     dialect = Dialect.detect(pod)
     assert dialect.wrapper_tag == "pod/train-worker-0/pytorch"
     assert (strip_prefixes(pod[1], dialect).rank, strip_prefixes(pod[1], dialect).text) == (1, "KeyError: 'target'")
+
+
+@pytest.mark.parametrize("number", ["{:>4} | ", "{}: ", "{}:", "{}\t"])
+def test_a_line_number_gutter_is_stripped_and_is_no_srun_label(number):
+    # a log viewer's or an editor's line numbers (`  26 | `, `26: `): they rise by one and never
+    # come round again, where srun's task labels do (docs/research/gaps42.md)
+    body = ["[rank2]: Traceback (most recent call last):", '[rank2]:   File "train.py", line 3, in <module>',
+            "[rank2]: KeyError: 'target'", "[rank0]: step 3 loss 0.5"] * 3
+    lines = [number.format(n) + line for n, line in enumerate(body, start=24)]
+    dialect = Dialect.detect(lines)
+    assert dialect.gutter and not dialect.srun
+    third = strip_prefixes(lines[2], dialect)
+    assert (third.rank, third.text) == (2, "KeyError: 'target'")
+    turns = [f"{r}: step {s} loss 0.5" for s in range(4) for r in range(4)]
+    srun = Dialect.detect(turns)
+    assert srun.srun and not srun.gutter
+    assert strip_prefixes(turns[5], srun).rank == 1
+
+
+def test_other_envelopes_of_pasted_logs():
+    # CloudWatch's export (a TAB after the time), docker-compose v1's `name_1  | `, a quote's quote
+    stamped = [f"2024-05-01T10:00:0{n}.000Z\t[rank1]: KeyError: 'target'" for n in range(3)]
+    assert strip_prefixes(stamped[0], Dialect.detect(stamped)).rank == 1
+    compose = [f"trainer_1  | [rank{n}]: step 1" for n in range(4)]
+    assert strip_prefixes(compose[3], Dialect.detect(compose)).text == "step 1"
+    nested = ["> > [rank3]: Traceback (most recent call last):", "> > [rank3]: KeyError: 'x'", ">> [rank0]: step 1"]
+    dialect = Dialect.detect(nested)
+    assert [strip_prefixes(line, dialect).rank for line in nested] == [3, 3, 0]

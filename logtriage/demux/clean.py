@@ -16,6 +16,12 @@ _PROGRESS_BAR = re.compile(r"\d%\||\d(?:it/s|s/it)\]|\[\d\d:\d\d<")
 # a bar's rate with another process's message glued after it (no newline between them):
 # `rank 0:  50%|#####     | 3/6 [00:03<00:03,  1.01s/it][FATAL] ...`
 _BAR_THEN_TEXT = re.compile(r"[\d?](?:it/s|s/it)\](?=\S)")
+# Unicode blanks a paste or a web page puts where the program printed spaces (a no-break space in
+# an issue's copied traceback, a figure or thin space), and zero-width marks (a byte-order mark
+# before the first line); typographic quotes that a chat or word processor made of `"` and `'`
+_BLANKS = {**{c: " " for c in (0xA0, 0x1680, 0x2007, 0x202F, 0x205F, 0x3000, *range(0x2000, 0x200B))},
+           0x200B: None, 0x2060: None, 0xFEFF: None,
+           0x201C: '"', 0x201D: '"', 0x2018: "'", 0x2019: "'"}
 
 
 def _latin1_bytes(exc: UnicodeDecodeError) -> tuple[str, int]:
@@ -45,7 +51,10 @@ def _mostly_utf8(raw: bytes) -> bool:
 
 
 def clean(text: str) -> str:
-    """The line as a terminal would finally show it, without styling."""
+    """The line as a terminal would finally show it, without styling (Unicode blanks as spaces,
+    typographic quotes as the ASCII ones)."""
+    if not text.isascii():
+        text = text.translate(_BLANKS)
     if "\r" in text:
         text = _last_redraw(text)
     if "\x1b" in text or "\x9b" in text:

@@ -1,9 +1,11 @@
 """Launcher prefixes, outermost first, each stripped once:
 
     paste indentation   every line indented alike (a log pasted as a Markdown code block)
-    Markdown quote      `> ` before every line (a log pasted as a quote; likewise), or `# ` (a
-                        log pasted as comments into a script)
-    collector stamp     `2023-05-26T16:48:07.093268664Z ` or `...Z: `  (docker logs -t, kubectl logs
+    Markdown quote      `> ` before every line (a log pasted as a quote; likewise; a quote in a
+                        quote, `> > `, too), or `# ` (a log pasted as comments into a script)
+    line-number gutter  `  12 | `, `12: `, `12:`, `12<TAB>` (a log viewer's or an editor's line numbers,
+                        rising by one from line to line; only when the log uses it widely)
+    collector stamp     `2023-05-26T16:48:07.093268664Z ` or `...Z: ` or `...Z<TAB>`  (docker logs -t, kubectl logs
                                                    --timestamps, job-service consoles;
                                                    only when the log uses it widely)
                         `Nov 26 23:08:31 `        (a CI console's or syslog's clock, no year, or a Kaggle
@@ -40,7 +42,9 @@ from functools import cached_property
 from typing import Iterable
 
 _SRUN = re.compile(r"^ {0,6}(\d{1,7}): ")
-_COLLECTOR_STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:Z|[+-]\d\d:?\d\d):? ")
+_COLLECTOR_STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:Z|[+-]\d\d:?\d\d):?[ \t]")
+# a log viewer's or an editor's line numbers in front of each line (`  12 | `, `12: `, `12:`, `12\t`)
+_GUTTER = re.compile(r"^ {0,6}(\d{1,7})(?: ?\| |:(?! )|: |\t)")
 # a CI console's or syslog's clock (`Nov 26 23:08:31 `, with syslog's host and `tag[pid]: `), a Kaggle
 # notebook log's elapsed time and line number (`704.7s\t1290\t`), or docker compose's container label
 # (`trainer-1  | `). (A full date and time, `[2025-06-03 16:12:09] ` or a logging stamp, stays: the
@@ -48,7 +52,7 @@ _COLLECTOR_STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:
 _CLOCK_STAMP = re.compile(r"^(?:(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) [ \d]\d \d\d:\d\d:\d\d(?:\.\d{1,9})? "
                           r"(?:[A-Za-z0-9][\w.-]{0,62} [\w./-]{1,40}\[\d{1,9}\]: )?"   # syslog's host and tag[pid]
                           r"|\d{1,7}\.\d{1,3}s\t\d{1,9}\t"
-                          r"|[a-z0-9][\w.-]{0,62}-\d{1,4} +\| )")
+                          r"|[a-z0-9][\w.-]{0,62}[-_]\d{1,4} +\| )")
 # a quote's or a comment's mark: `> ` (Markdown) or `# ` (output pasted into a script below its code)
 _QUOTE_MARKS = (">", "#")   # `#` only before a blank or the line's end: gdb's `#0  0x...` frames are not comments
 # a supervisor's constant tag in front of its child's output (`[TRAINING] [rank0]: ...`): a word, no digits
@@ -109,11 +113,12 @@ class Dialect:
     srun_nodes: bool = False   # srun tasks are nodes (one torchrun each), not ranks
     hosts: frozenset[str] = field(default_factory=frozenset)
     indent: int = 0            # blanks in front of every line: a paste indented as a code block (or by tabs)
+    gutter: bool = False       # every line starts with its line number (a log viewer's copy)
 
     @cached_property
     def label_patterns(self) -> tuple[tuple[str, re.Pattern], ...]:
         """The per-line labels this log uses, outermost first (decided once, read for every line)."""
-        used = (("stamp", _COLLECTOR_STAMP, self.stamped), ("stamp", _CLOCK_STAMP, self.clock_stamped),
+        used = (("gutter", _GUTTER, self.gutter), ("stamp", _COLLECTOR_STAMP, self.stamped), ("stamp", _CLOCK_STAMP, self.clock_stamped),
                 ("tag", _WRAPPER_TAG, bool(self.wrapper_tag)),
                 ("pytest", _PYTEST_E, self.pytest), ("srun", _SRUN, self.srun), ("mpi", _MPI, True),
                 ("host", _HOST, bool(self.hosts)))
@@ -134,6 +139,9 @@ class Dialect:
         quoted = len(lines) >= 2 and found is not None
         if quoted:
             lines = [_unquote(line, quote_mark) for line in lines]
+        gutter = _numbered(lines)
+        if gutter:
+            lines = [_GUTTER.sub("", line, count=1) for line in lines]
         stamped = sum(1 for line in lines if _COLLECTOR_STAMP.match(line)) * 3 >= len(lines) * 2
         if stamped:
             lines = [_COLLECTOR_STAMP.sub("", line, count=1) for line in lines]
@@ -167,7 +175,7 @@ class Dialect:
         return cls(srun=srun, stamped=stamped, clock_stamped=clock_stamped, pytest=pytest, quoted=quoted,
                    quote_mark=quote_mark,
                    wrapper_tag=wrapper_tag,
-                   hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines), indent=indent)
+                   hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines), indent=indent, gutter=gutter)
 
 
 def _quoted(line: str, mark: str) -> bool:
@@ -176,9 +184,24 @@ def _quoted(line: str, mark: str) -> bool:
 
 
 def _unquote(line: str, mark: str) -> str:
-    """The line without its quote mark and one blank after it."""
+    """The line without its quote mark and one blank after it (a quote's quote's marks too:
+    `> > `, `>> `)."""
     text = line[len(mark):] if line.startswith(mark) else line
-    return text[1:] if text.startswith(" ") else text
+    text = text[1:] if text.startswith(" ") else text
+    if mark == ">":
+        while text.startswith(">"):
+            text = text[2:] if text.startswith("> ") else text[1:]
+    return text
+
+
+def _numbered(lines: list[str]) -> bool:
+    """Whether (nearly) every line starts with its line number: numbers that rise by one from
+    line to line and do not come round again."""
+    numbers = [int(m.group(1)) if m else None for m in map(_GUTTER.match, lines)]
+    rising = sum(1 for a, b in zip(numbers, numbers[1:]) if a is not None and b == a + 1)
+    seen = [n for n in numbers if n is not None]
+    # (srun's labels of ranks printing in turn rise by one too, but come round again)
+    return len(lines) >= 10 and rising * 3 >= (len(lines) - 1) * 2 and len(set(seen)) * 10 >= len(seen) * 9
 
 
 def _wrapper_tag(lines: list[str]) -> str:

@@ -20,7 +20,7 @@ from logtriage.errors import InputError
 from logtriage.fastscan.chunks import file_chunks, stream_chunks
 from logtriage.fastscan.flags import CANDIDATE, COLLECTOR_STAMP, NOT_PLAIN, SRUN_LABEL
 from logtriage.fastscan.merge import ChunkLines, ChunkMerger
-from logtriage.ingest.sources import Source, starts_gzip
+from logtriage.ingest.sources import Source, needs_stream
 from logtriage.scan import DIALECT_SAMPLE, LineScanner, ScanResult, SourceIndex, new_result
 
 CHUNK_BYTES = 16 << 20
@@ -73,7 +73,7 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
 
 
 def _scan_source(result, source, index, matcher, prefilter, pool, progress) -> None:
-    path = None if source.is_stdin or _is_gzip(source) else str(source.path)
+    path = None if source.is_stdin or _is_stream(source) else str(source.path)
     if path is not None:
         with open(path, "rb") as f:
             head_bytes = f.read(1 << 20)
@@ -87,7 +87,7 @@ def _scan_source(result, source, index, matcher, prefilter, pool, progress) -> N
     labels = (SRUN_LABEL if dialect.srun and not dialect.srun_nodes else 0) | (COLLECTOR_STAMP if dialect.stamped else 0)
     # prefixes the kernel does not parse (an indented paste it hands back line by line: a line that
     # starts with a blank is never plain)
-    if (dialect.srun_nodes or dialect.hosts or dialect.clock_stamped or dialect.pytest or dialect.quoted
+    if (dialect.srun_nodes or dialect.hosts or dialect.clock_stamped or dialect.pytest or dialect.quoted or dialect.gutter
             or dialect.wrapper_tag):
         _exact(scanner, file_chunks(source, CHUNK_BYTES, IN_FLIGHT) if path is not None else itertools.chain([first] if first else [], chunks))
     elif path is not None:
@@ -234,9 +234,10 @@ def _analyse_range(path: str, low: int, high: int, rank_hint: int, labels: int =
     return base + first, stop - first, lines
 
 
-def _is_gzip(source: Source) -> bool:
+def _is_stream(source: Source) -> bool:
+    """gzip or UTF-16: read through open_source, not by byte ranges of the file."""
     try:
-        return starts_gzip(source.path)
+        return needs_stream(source.path)
     except OSError:
         return False
 

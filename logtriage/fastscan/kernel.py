@@ -125,7 +125,7 @@ def _two_digits(buf, k, end):
 
 @njit(cache=True, nogil=True)
 def _collector_stamp(buf, i, end):
-    """A log collector's RFC 3339 time, `\\d{4}-\\d\\d-\\d\\dT\\d\\d:\\d\\d:\\d\\d(\\.\\d{1,9})?(Z|[+-]\\d\\d:?\\d\\d):? `
+    """A log collector's RFC 3339 time, `\\d{4}-\\d\\d-\\d\\dT\\d\\d:\\d\\d:\\d\\d(\\.\\d{1,9})?(Z|[+-]\\d\\d:?\\d\\d):?[ \\t]`
     at i (demux prefixes._COLLECTOR_STAMP): the message start after it, or -1."""
     k = i
     for width, sep in ((4, 45), (2, 45), (2, 84), (2, 58), (2, 58), (2, -1)):   # 2023-05-26T16:48:07
@@ -150,7 +150,7 @@ def _collector_stamp(buf, i, end):
         return -1
     if k < end and buf[k] == 58:                       # closed by `: ` on some consoles
         k += 1
-    return k + 1 if k < end and buf[k] == 32 else -1
+    return k + 1 if k < end and (buf[k] == 32 or buf[k] == 9) else -1
 
 
 @njit(cache=True, nogil=True)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import io
 import sys
+import tempfile
 import zlib
 from contextlib import contextmanager
 from typing import BinaryIO, Iterator
 
 from logtriage.errors import InputError
-from logtriage.ingest.sources import GZIP_MAGIC, Source
+from logtriage.ingest.sources import GZIP_MAGIC, Source, utf16_codec
 
 CHUNK = 1 << 20
 MAX_LINE = 1 << 20    # bytes of one line kept for matching: an 80 MB single-line JSON costs 1 MB
@@ -19,7 +21,8 @@ TAIL = 64 << 10       # ...plus its last bytes, where a glued rank line would be
 
 @contextmanager
 def open_source(source: Source) -> Iterator[BinaryIO]:
-    """A binary stream of the source's bytes, decompressed when it starts with the gzip magic."""
+    """A binary stream of the source's bytes, decompressed when it starts with the gzip magic,
+    transcoded to UTF-8 when it is UTF-16 (then offsets count the UTF-8 bytes)."""
     if source.is_stdin:
         raw: BinaryIO = sys.stdin.buffer
         close = False
@@ -37,11 +40,27 @@ def open_source(source: Source) -> Iterator[BinaryIO]:
             raise InputError(f"{source.name}: cannot read ({exc.strerror or exc})") from None
         if magic == GZIP_MAGIC:
             yield gzip.GzipFile(fileobj=buffered, mode="rb")
+        elif (codec := utf16_codec(buffered.peek(4096)[:4096])) is not None:
+            with _transcoded(buffered, codec) as utf8:
+                yield utf8
         else:
             yield buffered
     finally:
         if close:
             raw.close()
+
+
+@contextmanager
+def _transcoded(stream: BinaryIO, codec: str) -> Iterator[BinaryIO]:
+    """The UTF-16 stream as UTF-8, in a temporary file (seekable: evidence lines are read back by
+    offset), written chunk by chunk so memory stays flat."""
+    decoder = codecs.getincrementaldecoder(codec)(errors="replace")
+    with tempfile.TemporaryFile() as spool:
+        while block := stream.read(CHUNK):
+            spool.write(decoder.decode(block).encode("utf-8"))
+        spool.write(decoder.decode(b"", final=True).encode("utf-8"))
+        spool.seek(0)
+        yield io.BufferedReader(spool)   # type: ignore[arg-type]
 
 
 def iter_raw_lines(source: Source, tee: BinaryIO | None = None) -> Iterator[tuple[int, bytes]]:

@@ -23,6 +23,31 @@ def starts_gzip(path) -> bool:
     """Whether the file starts with the gzip magic (OSError when it cannot be read)."""
     with open(path, "rb") as f:
         return f.read(2) == GZIP_MAGIC
+
+
+def utf16_codec(head: bytes) -> str | None:
+    """The codec of a UTF-16 text (PowerShell's `>` writes UTF-16LE with a byte-order mark;
+    Notepad's "Unicode" too), from its first bytes, else None: a BOM, or, without one, ASCII
+    text with a NUL in every other byte."""
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "utf-16"
+    sample = head[:4096]
+    if len(sample) < 16:
+        return None
+    odd, even = sample[1::2], sample[0::2]
+    if odd.count(0) > 0.9 * len(odd) and even.count(0) < 0.1 * len(even):
+        return "utf-16-le"
+    if even.count(0) > 0.9 * len(even) and odd.count(0) < 0.1 * len(odd):
+        return "utf-16-be"
+    return None
+
+
+def needs_stream(path) -> bool:
+    """Whether the file's bytes are not its lines as stored: gzip, or UTF-16 to transcode
+    (OSError when it cannot be read)."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    return head[:2] == GZIP_MAGIC or utf16_codec(head) is not None
 # torchrun --log-dir: <dir>/<run_id>/attempt_<n>/<local_rank>/{stdout,stderr}.log
 _LOGDIR_FILE = re.compile(r"(?:^|/)attempt_(\d{1,9})/(\d{1,9})/(stdout|stderr)\.log(?:\.gz)?$")
 # other per-rank files: rank3.log, rank_3.txt, log_rank-03.out, worker3.err, 3.log

@@ -13,7 +13,7 @@ import orjson
 
 from logtriage.api import TriageOptions, TriageRun, run_triage
 from logtriage.report import render
-from logtriage.ingest.sources import GZIP_MAGIC
+from logtriage.ingest.sources import GZIP_MAGIC, utf16_codec
 from tests.fuzz.strategies import physical_lines
 
 # What a terminal would obey: C0 controls except \t and \n, DEL, C1 controls (0x9b is CSI), bidi overrides.
@@ -34,6 +34,8 @@ def check_conservation(run: TriageRun, files: list[Path]) -> None:
         damaged = False
         if data[:2] == GZIP_MAGIC:
             data, damaged = _gunzip_prefix(data)
+        elif (codec := utf16_codec(data[:4096])) is not None:   # read as its UTF-8 text
+            data = data.decode(codec, errors="replace").encode("utf-8")
         lines = physical_lines(data)
         if damaged:  # complete lines before the damage; the cut line may be lost
             assert len(lines) - 1 <= len(index.slots) <= len(lines), (path, len(index.slots), len(lines))
