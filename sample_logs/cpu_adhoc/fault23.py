@@ -45,7 +45,7 @@ a = p.parse_args()
 TIMEOUT = datetime.timedelta(seconds=a.pg_timeout)
 BATCH = 16
 CKDIR = "/tmp/fault23_ckpt"
-RO_DIR = "/sys/fs/ckpt"  # not writable even for root: stands in for a read-only checkpoint mount
+RO_DIR = "/sys/fs"  # not writable even for root: stands in for a read-only checkpoint mount
 log = logging.getLogger("train")
 
 
