@@ -78,3 +78,15 @@ def test_an_atexit_hook_raising_after_the_run_is_not_the_root(tmp_path, hook):
     log.write_text(OOM + block)
     rc = triage([str(log)]).to_dict()["root_cause"]
     assert (rc["rule_id"], rc["rank"]) == ("cuda.oom", 2)
+
+
+def test_the_reporters_own_words_around_a_pasted_hang_are_not_its_error(tmp_path):
+    # an issue's prose before and after the paste (docs/research/gaps42.md): the log itself stops
+    # after step 100 with no error, a hang
+    log = tmp_path / "run.log"
+    log.write_text("I get the following error when running on 4 GPUs with torchrun:\n\n"
+                   + "".join(f"[rank{r}]:step 100 loss 1.234\n" for r in range(4))
+                   + "\nAny idea? I already tried NCCL_P2P_DISABLE=1, it still fails with the same error.\n")
+    report = triage([str(log)]).to_dict()
+    assert (report["verdict"], report["root_cause"]["rule_id"], report["root_cause"]["line"]) == \
+        ("hung", "hang.output_stopped", 6)
