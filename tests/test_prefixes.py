@@ -281,3 +281,16 @@ def test_other_envelopes_of_pasted_logs():
     nested = ["> > [rank3]: Traceback (most recent call last):", "> > [rank3]: KeyError: 'x'", ">> [rank0]: step 1"]
     dialect = Dialect.detect(nested)
     assert [strip_prefixes(line, dialect).rank for line in nested] == [3, 3, 0]
+
+
+def test_a_templates_word_and_number_label_names_the_rank_where_the_log_uses_it_widely():
+    # TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[r${rank}] ' (cpu_adhoc nan_spread_np7_r5_template)
+    lines = [f"[r{r}] rank {r} step 3 local loss 0.5" for r in range(4)] + ["[r1] [rank1]: FloatingPointError: nan"]
+    dialect = Dialect.detect(lines)
+    assert dialect.bracket_label == "r"
+    assert [strip_prefixes(line, dialect).rank for line in lines] == [0, 1, 2, 3, 1]
+    assert strip_prefixes(lines[2], dialect).text == "rank 2 step 3 local loss 0.5"
+    worker = Dialect.detect([f"[worker{r}] step 1" for r in range(3)])
+    assert strip_prefixes("[worker2] step 1", worker).local_rank == 2
+    # once in a log is no convention: a list index stays text
+    assert Dialect.detect(["[1] first item", "plain", "another", "more"]).bracket_label is None

@@ -152,3 +152,48 @@ def test_a_launcher_line_right_after_an_exception_is_not_its_message(tmp_path):
             "closing signal SIGTERM\n")
     rc = _root(tmp_path, text)
     assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == ("python.exception", "python_exception", 2, 4)
+
+
+def _summary_entry(index: int, rank: int, exitcode: str, frames: list[str], exception: str) -> str:
+    lines = [f"[{index}]:", "  time      : 2026-12-02_05:25:30", "  host      : node01",
+             f"  rank      : {rank} (local_rank: {rank})", f"  exitcode  : {exitcode}",
+             f"  error_file: /tmp/torchelastic_x/attempt_0/{rank}/error.json",
+             "  traceback : Traceback (most recent call last):", *(f"    {frame}" for frame in frames),
+             f"  {exception}"]
+    return "\n".join(lines) + "\n"
+
+
+def _summary(*entries: str) -> str:
+    rule, dash = "=" * 60, "-" * 60
+    return ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+            f"{rule}\ntrain.py FAILED\n{dash}\nFailures:\n" + "".join(entries[1:])
+            + f"{dash}\nRoot Cause (first observed failure):\n" + entries[0] + f"{rule}\n")
+
+
+def test_an_error_files_exception_in_the_summary_is_that_entrys_rank(tmp_path):
+    # `--local-ranks-filter 0,1` hid rank 2, which wrote the checkpoint and ran out of disk; ranks 0
+    # and 1 then could not read the cut file (cpu_adhoc ckpt_partial_*: torchrun 2.13's summary layout)
+    corrupt = ("RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central directory. "
+               "This is an internal miniz error.")
+    console = "".join(f"[rank{r}]: Traceback (most recent call last):\n[rank{r}]:   File \"train.py\", line 9, in main\n"
+                      f"[rank{r}]:     net.load_state_dict(torch.load(shared))\n[rank{r}]: {corrupt}\n" for r in (0, 1))
+    log = console + _summary(
+        _summary_entry(0, 0, "1 (pid: 101)", ['File "train.py", line 9, in main'], corrupt),
+        _summary_entry(1, 1, "1 (pid: 102)", ['File "train.py", line 9, in main'], corrupt),
+        _summary_entry(2, 2, "-15 (pid: 103)  (SIGTERM)", ['File "train.py", line 7, in save'],
+                       "OSError: [Errno 28] No space left on device: '/ckpt/shared_step2.pt'"))
+    rc = _root(tmp_path, log)
+    assert (rc["rule_id"], rc["category"], rc["rank"], rc["exception_type"]) == ("ckpt.write_failed", "checkpoint", 2,
+                                                                                  "OSError")
+
+
+def test_the_one_rank_whose_error_file_waited_in_another_collective(tmp_path):
+    # every rank timed out; the summary's error files show rank 0 in `barrier` (its save branch) and
+    # the others in DDP's backward (cpu_adhoc save_barrier_*)
+    timeout = "RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv operation to complete"
+    barrier = ['File "train.py", line 133, in main', 'File "/venv/torch/distributed/distributed_c10d.py", line 5356, in barrier']
+    backward = ['File "train.py", line 120, in main', 'File "/venv/torch/autograd/graph.py", line 829, in _engine_run_backward']
+    log = _summary(_summary_entry(0, 0, "1 (pid: 101)", barrier, timeout),
+                   *(_summary_entry(r, r, "1 (pid: 10%d)" % r, backward, timeout) for r in (1, 2, 3)))
+    rc = _root(tmp_path, log)
+    assert (rc["rule_id"], rc["rank"]) == ("gloo.timeout", 0)

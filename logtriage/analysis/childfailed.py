@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from logtriage.analysis.timestamps import Stamp, parse_cfe_time
 from logtriage.demux.blocks import EXCEPTION_HEAD
+from logtriage.demux.frames import COLLECTIVE_FRAME, FRAME
 from logtriage.demux.launcher import CFE_EXIT, CFE_RANK, MPI_NOTICE, MPI_NOTICE_SIGNAL, is_cfe_start
 
 # The rank and exitcode fields are read with the demuxer's own patterns (at most 12 digits: a
@@ -34,6 +35,8 @@ class ChildFailure:
     exception: str = ""  # the worker's exception, from the error file the `traceback :` field shows
     exception_line: int | None = None
     message: str = ""    # the lines after that exception line (a multi-line message, NCCL's `Last error:`)
+    collective: str = ""  # the c10d function the error file's traceback was in (barrier, all_reduce)
+    last_frame: str = ""  # that traceback's innermost function
 
 
 MESSAGE_LINES = 4   # how many lines after an error file's exception line still belong to its message
@@ -84,6 +87,10 @@ def parse_child_failures(launcher_lines: list[tuple[int, int, str]]) -> list[Chi
                     current["message"] = ""
                 elif "exception" in current and current["message"].count("\n") < MESSAGE_LINES:
                     current["message"] += text.strip() + "\n"
+                elif (frame := FRAME.match(text)) is not None:
+                    current["last_frame"] = frame.group(3)
+                    if (collective := COLLECTIVE_FRAME.search(text)) is not None:
+                        current["collective"] = collective.group(1)
                 continue
             _flush(current, entries)
             current = None
@@ -123,7 +130,8 @@ def _flush(current: dict | None, entries: list[ChildFailure]) -> None:
         exitcode=current.get("exitcode"), pid=current.get("pid"), signal=current.get("signal"),
         time=current.get("time"), traceback=current.get("traceback", ""), is_root_cause=current["root"],
         source=current["source"], line=current["line"], exception=current.get("exception", ""),
-        exception_line=current.get("exception_line"), message=current.get("message", "")))
+        exception_line=current.get("exception_line"), message=current.get("message", ""),
+        collective=current.get("collective", ""), last_frame=current.get("last_frame", "")))
 
 
 SIGNALS = {1: "SIGHUP", 2: "SIGINT", 3: "SIGQUIT", 4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE",

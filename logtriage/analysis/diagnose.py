@@ -43,7 +43,8 @@ from logtriage.analysis.refine import (
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
 from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_named_ranks, group_destroyed,
-                                              oom_on_shared_gpu, spawn_report_yields, timer_reaped, unresolved_host)
+                                              oom_on_shared_gpu, spawn_report_yields, timer_reaped, unresolved_host,
+                                              writer_behind_readers)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
 from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, message_of, output_stopped, stalled_before_stop,
                                         still_retrying, stuck_after_warning, unknown_error_line)
@@ -119,6 +120,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = _exit_only_root(failures, catalog)
     if root is not None and failures:
         root = same_error_in_summary(error_file_exception(root, failures, catalog), failures, catalog)
+    if root is not None:
+        root = writer_behind_readers(root, findings)
     if root is None:
         root = _cut_traceback(scan, keys, catalog)
     if root is None:

@@ -32,7 +32,8 @@ _MODULE_ATTRIBUTE = re.compile(r"module '([A-Za-z_]\w*)[\w.]*' has no attribute 
 # a file of an installed package: its top-level package in group 1
 _INSTALLED_PACKAGE = re.compile(r"[/\\](?:site|dist)-packages[/\\]([A-Za-z_]\w*)")
 # a path the error names that is a checkpoint's (`'out/tmp-checkpoint-x' -> 'out/checkpoint-100'`)
-_CHECKPOINT_PATH = re.compile(r"'[^']*(?:checkpoint|ckpt)[^']*'", re.IGNORECASE)
+# a path named for checkpoints, or a file in torch's or safetensors' own formats (`step2.pt`)
+_CHECKPOINT_PATH = re.compile(r"'[^']*(?:checkpoint|ckpt)[^']*'|'[^']*\.(?:pt|pth|safetensors)'", re.IGNORECASE)
 _MISSING_PATH = re.compile(r"is not a valid (?:directory|file|path)|does not exist|(?:not found|No such file)\b")
 # an object store answering that the key is not there (botocore's ClientError)
 _MISSING_OBJECT = re.compile(r"\((?:404|NoSuchKey)\) when calling the \w+ operation")

@@ -182,7 +182,12 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
             extra.append(hit)     # a whole paste on one line: the launcher's summary and the exit code in it
         if not _passive(hit.rule):
             failing.add(hit.seq)
-    entry_rank = {(f.source, f.line): f.rank for f in failures}
+    # an entry's lines about its worker: its exitcode line, and its error file's exception line
+    entry_rank = {(f.source, f.line): f.rank for f in failures} | {
+        (f.source, f.exception_line): f.rank for f in failures if f.exception_line is not None}
+    # and where its error file's traceback was: (collective, innermost function)
+    entry_frames = {(f.source, f.exception_line): (f.collective, f.last_frame) for f in failures
+                    if f.exception_line is not None}
     workers = [f for f in failures if f.rank is not None]
     entry_time = {(f.source, f.line): f.time for f in failures}
     # srun started torchrun agents (its labels say so, or torchelastic summarised the workers):
@@ -210,9 +215,12 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
             if named is not None:
                 rank, how = int(named), "capture"
         frame, frame_file = _innermost_frame(scan, hit)
+        collective = scan.block_collectives.get(hit.block_id, "")
+        if (hit.source, hit.line) in entry_frames:
+            collective, frame = entry_frames[(hit.source, hit.line)]
         findings.append(Finding(hit.rule, hit.captures, hit.source, hit.line, stream, rank, hit.text,
                                 hit.block_id, hit.seq, stamp, how, scan.block_exceptions.get(hit.block_id, ""),
-                                scan.block_collectives.get(hit.block_id, ""),
+                                collective,
                                 scan.block_checkpoint_frames.get(hit.block_id, ""), frame,
                                 scan.block_broadcast_sources.get(hit.block_id), frame_file))
     findings = _best_per_traceback(mark_went_on(findings), scan.block_kinds)

@@ -3,7 +3,8 @@ yields to the child's own error under it; NCCL's bootstrap root disagreeing with
 world size is another NCCL build; a process group "not initialized" on a rank that trained with
 the others was destroyed, not never created; a worker killed by SIGKILL after torchelastic's
 timer reaped it ran out its timed block (a hang), not out of memory; a store connect that timed
-out on a host name whose address could not be resolved failed for that reason."""
+out on a host name whose address could not be resolved failed for that reason; ranks that could not
+read a checkpoint (cut short, missing) that another rank failed to write failed for that reason."""
 
 from __future__ import annotations
 
@@ -155,3 +156,24 @@ def dcp_named_ranks(root: RootCause, findings: list[Finding], block_exceptions: 
                    reasons=root.reasons + (
                        f"torch.distributed.checkpoint's CheckpointException on every rank names rank(s) "
                        f"{ranges(sorted(named), limit=8)} as the ones that failed",))
+
+
+# reading a checkpoint that is cut short or not there: what a failed write leaves the readers
+_READ_SIDE = frozenset({"ckpt.corrupt_archive", "ckpt.not_found"})
+WRITE_FAILED_RULE = "ckpt.write_failed"
+
+
+def writer_behind_readers(root: RootCause, findings: list[Finding]) -> RootCause:
+    """Ranks that cannot read a checkpoint (a truncated archive, a missing file) while another rank
+    failed writing one (disk full, an unwritable path, a write cut off): the writer's failure is
+    the cause, the readers' errors its consequence (rank 0 saving alone, the others loading)."""
+    if root.rule.id not in _READ_SIDE:
+        return root
+    readers = set(root.ranks) | ({root.rank} if root.rank is not None else set())
+    writer = next((f for f in findings if f.rule.id == WRITE_FAILED_RULE and f.is_error and f.rank is not None
+                   and f.rank not in readers), None)
+    if writer is None:
+        return root
+    return RootCause(writer.rule, writer, writer.rank, (writer.rank,), root.confidence, (
+        f"rank {writer.rank} failed writing a checkpoint; the read failures of rank(s) {ranges(sorted(readers))} "
+        f"({root.rule.id}) are what that write left behind",))

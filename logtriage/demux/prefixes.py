@@ -25,7 +25,8 @@
     stream tag          `[stderr]` `[stdout]` (a wrapper's, glued to the message; no rank)
     torchrun --tee      `[default0]:` `[trainer1]:` `[gpu187:2]:`   (local rank)
     prefix template     `[default|rank=1|local=1] ` or any leading `[...]` with a rank field;
-                        a trainer's `[RANK 1] ` label
+                        a trainer's `[RANK 1] ` label; a template's `[r1] ` / `[w1] ` (a word and a
+                        number in brackets, the same word on many lines of the log)
     excepthook          `[rank1]: `               (global rank)
     C++ log rank        `[rank1]:[I1130 ...`      (global rank; the glog header stays in the text)
 
@@ -82,6 +83,10 @@ _TEMPLATE = re.compile(r"^\[([^\[\]\n]{1,120})\]:? ")
 _TEMPLATE_RANK = re.compile(r"(?:^|[|,;\s])(?:global_)?rank[=:\s]?(\d{1,12})(?:$|[|,;\s/])", re.IGNORECASE)
 # a trainer's own upper-case rank label on every line it writes (SimpleTuner: `[RANK 1] 2026-05-19 ...`)
 _RANK_LABEL = re.compile(r"^\[RANK (\d{1,9})\] ")
+# a line-prefix template's own label (`TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[r${rank}] '`): one short
+# word (or none) and the rank; global for `r`/`rank` or no word, else the role's local rank, as --tee's
+_BRACKET_LABEL = re.compile(r"^\[([A-Za-z_]{0,12})(\d{1,7})\] ")
+_GLOBAL_WORDS = frozenset({"", "r", "rank"})
 _TEMPLATE_LOCAL = re.compile(r"local(?:_rank)?[=:\s]?(\d{1,7})", re.IGNORECASE)
 MAX_INDENT = 8
 # a Markdown code fence around (or between parts of) a pasted log: not part of the log's conventions
@@ -114,6 +119,7 @@ class Dialect:
     hosts: frozenset[str] = field(default_factory=frozenset)
     indent: int = 0            # blanks in front of every line: a paste indented as a code block (or by tabs)
     gutter: bool = False       # every line starts with its line number (a log viewer's copy)
+    bracket_label: str | None = None   # the word of a template's `[r1] ` label on many lines ("" for `[1] `)
 
     @cached_property
     def label_patterns(self) -> tuple[tuple[str, re.Pattern], ...]:
@@ -172,10 +178,12 @@ class Dialect:
             # too few lines for the floor, but the convention is plain
             chosen |= frozenset(named)
         srun = srun_hits * 3 >= len(lines) and srun_hits >= 3
+        bracket_label = _bracket_label(lines, srun)
         return cls(srun=srun, stamped=stamped, clock_stamped=clock_stamped, pytest=pytest, quoted=quoted,
                    quote_mark=quote_mark,
                    wrapper_tag=wrapper_tag,
-                   hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines), indent=indent, gutter=gutter)
+                   hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines), indent=indent, gutter=gutter,
+                   bracket_label=bracket_label)
 
 
 def _quoted(line: str, mark: str) -> bool:
@@ -202,6 +210,26 @@ def _numbered(lines: list[str]) -> bool:
     seen = [n for n in numbers if n is not None]
     # (srun's labels of ranks printing in turn rise by one too, but come round again)
     return len(lines) >= 10 and rising * 3 >= (len(lines) - 1) * 2 and len(set(seen)) * 10 >= len(seen) * 9
+
+
+def _bracket_label(lines: list[str], srun: bool) -> str | None:
+    """The word of the `[<word><n>] ` label a third of the lines start with (inside srun's or Open
+    MPI's own label), with at least two numbers: a line-prefix template's rank label; else None."""
+    numbers: dict[str, set[int]] = {}
+    counts: Counter = Counter()
+    for line in lines:
+        m = (_SRUN.match(line) if srun else None) or _MPI.match(line)
+        rest = line[m.end():] if m else line
+        label = _BRACKET_LABEL.match(rest)
+        if label:
+            counts[label.group(1)] += 1
+            numbers.setdefault(label.group(1), set()).add(int(label.group(2)))
+    if not counts:
+        return None
+    word, count = counts.most_common(1)[0]
+    if count * 3 < len(lines) or len(numbers[word]) < 2 or word.lower() in _NOT_TAGS:
+        return None
+    return word
 
 
 def _wrapper_tag(lines: list[str]) -> str:
@@ -319,6 +347,14 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
     if m:
         text = text[m.end():]
         layers.append("tag")
+    m = _BRACKET_LABEL.match(text) if dialect.bracket_label is not None and text[:1] == "[" else None
+    if m and m.group(1) == dialect.bracket_label:
+        if m.group(1).lower() in _GLOBAL_WORDS:
+            rank = int(m.group(2))
+        else:
+            local = int(m.group(2))
+        text = text[m.end():]
+        layers.append("template")
     m = _TEE_HOST.match(text)
     if m:
         host, local, text = m.group(1), int(m.group(2)), text[m.end():]
