@@ -90,3 +90,37 @@ def test_the_reporters_own_words_around_a_pasted_hang_are_not_its_error(tmp_path
     report = triage([str(log)]).to_dict()
     assert (report["verdict"], report["root_cause"]["rule_id"], report["root_cause"]["line"]) == \
         ("hung", "hang.output_stopped", 6)
+
+
+COLLECT_ENV = """Collecting environment information...
+PyTorch version: 2.5.1+cu124
+Is debug build: False
+CUDA used to build PyTorch: 12.4
+OS: Ubuntu 22.04.4 LTS (x86_64)
+Python version: 3.11.10 (main, Oct  3 2024, 07:29:13) [GCC 11.2.0] (64-bit runtime)
+Is CUDA available: True
+GPU models and configuration:
+GPU 0: NVIDIA A100-SXM4-80GB
+Nvidia driver version: 550.90.07
+CPU:
+Model name:                         Intel(R) Xeon(R) Platinum 8358 CPU @ 2.60GHz
+Versions of relevant libraries:
+[pip3] numpy==1.26.4
+[pip3] torch==2.5.1
+[conda] torch                     2.5.1                    pypi_0    pypi
+"""
+
+
+def test_collect_envs_report_under_the_log_is_neither_job_output_nor_a_convention(tmp_path):
+    # an issue template's "### Versions" under the paste (docs/research/gaps42.md): a short srun
+    # log keeps its labels' ranks, and a hang's last line is the log's
+    srun = "".join(f"{r}: step 3 loss 0.5\n" for r in range(4)) + \
+        "1: RuntimeError: DataLoader worker (pid 1901937) is killed by signal: Aborted.\n"
+    log = tmp_path / "run.log"
+    log.write_text(srun + "\n### Versions\n\n" + COLLECT_ENV)
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["rank"]) == ("data.loader_worker_died", 1)
+    # a run that stops after its steps: the hang's last line is the log's, not the report's
+    log.write_text("".join(f"[rank{r}]:step 100 loss 1.234\n" for r in range(4)) + "\n### Versions\n\n" + COLLECT_ENV)
+    report = triage([str(log)]).to_dict()
+    assert (report["verdict"], report["root_cause"]["line"]) == ("hung", 4)

@@ -266,6 +266,8 @@ def test_a_line_number_gutter_is_stripped_and_is_no_srun_label(number):
     assert dialect.gutter and not dialect.srun
     third = strip_prefixes(lines[2], dialect)
     assert (third.rank, third.text) == (2, "KeyError: 'target'")
+    short = [f"{n:>4} | {line}" for n, line in enumerate(body[:4], start=1)]   # a bar: no srun label, even short
+    assert Dialect.detect(short).gutter
     turns = [f"{r}: step {s} loss 0.5" for s in range(4) for r in range(4)]
     srun = Dialect.detect(turns)
     assert srun.srun and not srun.gutter

@@ -111,7 +111,8 @@ class Finding:
         """An error finding; a line logged at INFO level (`I0228 ...`, `[I1130 ...]`) reports, it
         does not fail (the NCCL watchdog's INFO notes during a normal shutdown), and neither does
         one logged at WARNING level by a rule that says so (c10d's `[W socket.cpp:601] ... cannot
-        be retrieved (gai error ...)`, after which it retries and usually connects)."""
+        be retrieved (gai error ...)`, after which it retries and usually connects), nor one the
+        program's next lines say it went on from (went_on.py)."""
         return (self.rule.severity is Severity.ERROR and self.rule.role is not Role.CONTEXT
                 and not _INFO_LINE.match(self.text) and not self.logged_as_warning and not self.went_on)
 

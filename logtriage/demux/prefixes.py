@@ -105,6 +105,22 @@ _SOURCE_FILE = re.compile(
     r"\.(?:py|pyx|sh|c|cc|cpp|cu|cuh|h|hpp|rs|go|java|js|ts|lua|pl|rb|jl|yaml|yml|json|toml|txt|log)$", re.IGNORECASE)
 
 
+# `python -m torch.utils.collect_env`'s report (an issue template asks for it under the log): no job output
+_ENVIRONMENT_REPORT = re.compile(
+    r"^\s*(?:\[(?:pip3?|conda)\] |(?:Collecting environment information|PyTorch version|Is debug build|"
+    r"CUDA used to build PyTorch|ROCM used to build PyTorch|Is CUDA available|CUDA runtime version|"
+    r"CUDA_MODULE_LOADING set to|GPU models and configuration|Nvidia driver version|cuDNN version|"
+    r"HIP runtime version|MIOpen runtime version|Is XNNPACK available|Python version|Python platform|"
+    r"Libc version|GCC version|Clang version|CMake version|Versions of relevant libraries)\b)")
+
+
+def environment_report_span(lines: list[str]) -> tuple[int, int] | None:
+    """[start, end) of collect_env's report among the lines (pasted under or above the log), from
+    its first line to its last (`[pip3] ...`, `[conda] ...`), the CPU lines between them included."""
+    marked = [i for i, line in enumerate(lines) if _ENVIRONMENT_REPORT.match(line)]
+    return (marked[0], marked[-1] + 1) if len(marked) >= 3 else None
+
+
 @dataclass(frozen=True)
 class Dialect:
     """Which ambiguous prefix conventions this log uses, decided from a sample of its lines."""
@@ -133,6 +149,9 @@ class Dialect:
     @classmethod
     def detect(cls, sample: Iterable[str]) -> "Dialect":
         lines = [line for line in sample if line.strip() and not _FENCE.match(line)]
+        span = environment_report_span(lines)
+        if span is not None:
+            lines = lines[:span[0]] + lines[span[1]:]
         if not lines:
             return cls()
         indent = len(_common_indent(lines))
@@ -208,8 +227,11 @@ def _numbered(lines: list[str]) -> bool:
     numbers = [int(m.group(1)) if m else None for m in map(_GUTTER.match, lines)]
     rising = sum(1 for a, b in zip(numbers, numbers[1:]) if a is not None and b == a + 1)
     seen = [n for n in numbers if n is not None]
-    # (srun's labels of ranks printing in turn rise by one too, but come round again)
-    return len(lines) >= 10 and rising * 3 >= (len(lines) - 1) * 2 and len(set(seen)) * 10 >= len(seen) * 9
+    # (srun's labels of ranks printing in turn rise by one too, but come round again; a bar after
+    # the number is no srun label, so a short paste shows the gutter too)
+    barred = sum(1 for m in map(_GUTTER.match, lines) if m and "|" in m.group(0)) * 3 >= len(lines) * 2
+    return (len(lines) >= (3 if barred else 10) and rising * 3 >= (len(lines) - 1) * 2
+            and len(set(seen)) * 10 >= len(seen) * 9)
 
 
 def _bracket_label(lines: list[str], srun: bool) -> str | None:
