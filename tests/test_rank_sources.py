@@ -197,3 +197,25 @@ def test_the_one_rank_whose_error_file_waited_in_another_collective(tmp_path):
                    *(_summary_entry(r, r, "1 (pid: 10%d)" % r, backward, timeout) for r in (1, 2, 3)))
     rc = _root(tmp_path, log)
     assert (rc["rule_id"], rc["rank"]) == ("gloo.timeout", 0)
+
+
+def test_ranks_that_all_waited_for_one_ranks_address_name_that_rank(tmp_path):
+    # rank 2 took rank 3's number (a stale RANK), so nobody published rank 2's address: every rank
+    # times out waiting for its key (cpu_adhoc dup_rank_np4_r2_plain, torch 2.13's gloo)
+    wait = "torch.distributed.DistStoreError: wait timeout after 15000ms, keys: /default_pg/0//cpu//0/2"
+    rc = _root(tmp_path, "".join(f"[rank{r}]: {wait}\n" for r in range(4)))
+    assert (rc["rule_id"], rc["rank"], rc["ranks"]) == ("dist.store_wait_timeout", 2, [0, 1, 2, 3])
+
+
+def test_torchruns_own_signal_exception_types_its_death_signal_line(tmp_path):
+    # `timeout -s TERM 20 torchrun ...` (cpu_adhoc agent_term_np4_rall_plain): the agent's notice is
+    # the root, its SignalException traceback a few lines later gives the type
+    log = ("W1202 05:45:08.352000 2591 torch/distributed/elastic/agent/server/api.py:753] Received 15 death "
+           "signal, shutting down workers\n"
+           "W1202 05:45:08.353000 2591 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 2597 "
+           "closing signal SIGTERM\nTraceback (most recent call last):\n"
+           '  File "/tmp/venv/bin/torchrun", line 6, in <module>\n    sys.exit(main())\n'
+           "torch.distributed.elastic.multiprocessing.api.SignalException: Process 2591 got signal: 15\n")
+    rc = _root(tmp_path, log)
+    assert (rc["rule_id"], rc["line"], rc["exception_type"]) == (
+        "launcher.signal_exception", 1, "torch.distributed.elastic.multiprocessing.api.SignalException")

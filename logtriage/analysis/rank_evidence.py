@@ -102,7 +102,13 @@ def rank_reporting_the_same(first: Finding, live: list[Finding]) -> int | None:
 
 def refine_rank(first: Finding, live: list[Finding], ranks: tuple[int, ...]) -> int | None:
     """Among ranks sharing one error, an earlier single-rank sign of the same kind names the
-    culprit (e.g. the rank whose loss went NaN first before every rank's grad-norm check failed)."""
+    culprit (e.g. the rank whose loss went NaN first before every rank's grad-norm check failed);
+    ranks that all waited in the store for one rank's address (`keys: /default_pg/0//cpu//0/2`)
+    name that rank: it never published it (it took another rank's number, or never started)."""
+    awaited = {int(m.group(1)) for f in live if f.rule.id == first.rule.id
+               and (m := _AWAITED_RANK.search(f.captures.get("keys", "")))}
+    if len(awaited) == 1 and awaited <= set(ranks):
+        return next(iter(awaited))
     if first.category is not Category.NUMERICAL:
         return None
     by_step = _first_step_per_rank([f for f in live if f.rule.id == first.rule.id and f.rank is not None])

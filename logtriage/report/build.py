@@ -74,8 +74,6 @@ def _exception_type(scan: ScanResult, diag: Diagnosis, finding: Finding) -> str 
     if finding.exception_type:
         return finding.exception_type
     stream = finding.stream
-    if stream.kind is StreamKind.LAUNCHER:
-        return None   # a launcher line about a worker: the launcher's own traceback is not its cause
     # the same error again soon after, as an exception line (spliced pastes; an unprefixed C++ warning
     # of torchrun's store, then the agent's own traceback ending in that error; an unprefixed NCCL
     # WARN, then a rank's DistBackendError quoting it); or on another rank, when the root line is
@@ -87,6 +85,10 @@ def _exception_type(scan: ScanResult, diag: Diagnosis, finding: Finding) -> str 
         if (other.rule.id == finding.rule.id and may_tell and other.exception_type
                 and other.source == finding.source and finding.line < other.line <= finding.line + NEARBY_LINES):
             return other.exception_type
+    if stream.kind is StreamKind.LAUNCHER:
+        # a launcher line about a worker: the launcher's own traceback is not its cause (unless it
+        # is the same error, above: torchrun's `Received 15 death signal` and its SignalException)
+        return None
     for block_id, (source, first, _) in sorted(scan.blocks.items(), key=lambda kv: kv[1][1]):
         if source != finding.source or not finding.line <= first <= finding.line + NEARBY_LINES:
             continue
