@@ -16,7 +16,8 @@ from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.timestamps import parse_stamp
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
-from logtriage.demux.prefixes import Dialect, environment_report_span, strip_prefixes
+from logtriage.demux.around_paste import environment_report_span, reporters_words
+from logtriage.demux.prefixes import Dialect, strip_prefixes
 from logtriage.demux.streams import StreamKey
 from logtriage.ingest.lines import read_lines
 from logtriage.scan import STEP, ScanResult
@@ -41,12 +42,6 @@ _ERROR_LINE = re.compile(r"\b(?:ERROR|FATAL|FAILED|Error|Fatal|Failed|failed|err
                          r"Segmentation fault|core dumped)\b")
 _NOT_ERROR = re.compile(r"\bINFO\b|\b(?:no|without|0) errors?\b|Warning\b|\bWARN(?:ING)?\b(?<!NCCL WARN)|"
                         r"\bException ignored in\b", re.IGNORECASE)
-# the person who pasted the log, around it: "I get the following error when running on 8 GPUs:",
-# "I already tried ..., it still fails with the same error"
-_FIRST_PERSON = re.compile(r"\b(?:I|[Ww]e)(?:'m|'ve| am| are| have| had| also| already| still)? (?:get|got|getting|see|saw|"
-                           r"seeing|tried|trying|ran|run|running|encounter\w*|fac(?:e|ed|ing)|hit|meet|met|receiv\w+)\b")
-# an issue template's Markdown heading above the paste (`### Error logs`)
-_HEADING = re.compile(r"^#{1,6} \S")
 _PREFIX_ONLY = re.compile(r"^\s*(?:(?:\[[^\]]{0,40}\]|<std(?:out|err)>|\d{1,7}:):? ?)*$")
 
 
@@ -55,7 +50,7 @@ def output_stopped(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]
     """The hang the log's end (`tail`, from log_tail) implies when nothing failed and nothing says
     the run finished."""
     last = next((line for line in reversed(_without_environment_report(tail))
-                 if _JOB_OUTPUT.search(line[2]) and not _FIRST_PERSON.search(line[2])), None)
+                 if _JOB_OUTPUT.search(line[2]) and not reporters_words(line[2])), None)
     if last is None:
         return None
     number = last[1]
@@ -108,8 +103,7 @@ def unknown_error_line(scan: ScanResult, keys: list[StreamKey], tail: list[TailL
     for own in by_source.values():     # log_tail lists the inputs in order
         progress = max((i for i, t in enumerate(own) if STEP.search(t[2])), default=-1)
         line = next((t for t in own[progress + 1:]     # progress after an error: the run went on
-                     if _ERROR_LINE.search(t[2]) and not _NOT_ERROR.search(t[2]) and not _FIRST_PERSON.search(t[2])
-                     and not _HEADING.match(t[2])
+                     if _ERROR_LINE.search(t[2]) and not _NOT_ERROR.search(t[2]) and not reporters_words(t[2])
                      and (t[0], t[1]) not in known),
                     None)
         if line is not None:
