@@ -89,6 +89,8 @@ _RANK_LABEL = re.compile(r"^\[RANK (\d{1,9})\] ")
 # word (or none) and the rank; global for `r`/`rank` or no word, else the role's local rank, as --tee's
 _BRACKET_LABEL = re.compile(r"^\[([A-Za-z_]{0,12})(\d{1,7})\] ")
 _GLOBAL_WORDS = frozenset({"", "r", "rank"})
+# a loop's own counters in brackets (`[epoch3] `, `[step120] `) are no rank label
+_COUNTER_WORDS = frozenset("epoch ep e iter iteration it i step s batch b t loss round".split())
 _TEMPLATE_LOCAL = re.compile(r"local(?:_rank)?[=:\s]?(\d{1,7})", re.IGNORECASE)
 MAX_INDENT = 8
 # a Markdown code fence around (or between parts of) a pasted log: not part of the log's conventions
@@ -235,7 +237,7 @@ def _bracket_label(lines: list[str], srun: bool) -> str | None:
     if not counts:
         return None
     word, count = counts.most_common(1)[0]
-    if count * 3 < len(lines) or len(numbers[word]) < 2 or word.lower() in _NOT_TAGS:
+    if count * 3 < len(lines) or len(numbers[word]) < 2 or word.lower() in _NOT_TAGS | _COUNTER_WORDS:
         return None
     return word
 
