@@ -1464,3 +1464,23 @@ def test_a_worker_the_launcher_killed_after_its_sigterm_failed_is_teardown_not_a
     rc = _report(log, text.replace("Unable to shutdown process 2132 via 15, forcefully exiting via 9",
                                    "worker group stopped"))["root_cause"]
     assert (rc["category"], rc["rule_id"], rc["rank"]) == ("crash_signal", "signal.sigkill", 2)
+
+
+def test_a_second_nodes_lost_rendezvous_pasted_first_yields_to_a_workers_error(tmp_path):
+    # two nodes' consoles pasted one after the other, node 1's first: its agent lost the store when
+    # node 0's agent exited after rank 1's MemoryError (docs/research/gaps43.md S1; the agent's lines
+    # of cpu_adhoc huge_alloc_np6_r1_pdsh2, torch 2.13)
+    node1 = ("W1202 04:58:08.402000 12984 torch/distributed/elastic/rendezvous/dynamic_rendezvous.py:1298] The node "
+             "'localhost_12984_0' has failed to shutdown the rendezvous 'none' due to an error of type "
+             "RendezvousConnectionError.\n"
+             + _traceback("/venv/torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py", 116, "_call_store",
+                          "raise RendezvousConnectionError(",
+                          "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the "
+                          "C10d store has failed. See inner exception for details."))
+    node0 = "".join(f"[rank1]:{line}\n" for line in _traceback(
+        "/job/train.py", 88, "main", "buf = bytearray(16 << 40)", "MemoryError").splitlines())
+    rc = _report(tmp_path / "run.log", "node 1:\n" + node1 + "\nnode 0:\n" + node0)["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("host.memory_error", "host_oom", 1)
+    # alone, the lost rendezvous is still what the log shows
+    rc = _report(tmp_path / "run.log", node1)["root_cause"]
+    assert (rc["rule_id"], rc["category"]) == ("dist.rendezvous_connection", "rendezvous")
