@@ -56,8 +56,7 @@ def test_fast_scan_reads_plain_files_itself():
     assert len(paths) - len(handed) >= 300
     for name in handed:   # only logs whose prefixes (srun tasks as nodes, hosts, a CI clock, pytest's) it leaves alone
         dialect = Dialect.detect(clean(decode(raw)) for raw in paths[name].read_bytes().split(b"\n")[:4000])
-        assert taken[name] == ["exact"] and (dialect.srun_nodes or dialect.hosts or dialect.clock_stamped or dialect.pytest
-                                             or dialect.quoted or dialect.wrapper_tag), name
+        assert taken[name] == ["exact"] and dialect.exact_only, name
 
 
 @pytest.mark.parametrize("style", ["plain", "tee", "srun"])

@@ -125,6 +125,14 @@ class Dialect:
     gutter: bool = False       # every line starts with its line number (a log viewer's copy)
     bracket_label: str | None = None   # the word of a template's `[r1] ` label on many lines ("" for `[1] `)
 
+    @property
+    def exact_only(self) -> bool:
+        """Prefix layers the fast scan's compiled kernel does not parse: such a log takes the exact
+        path (srun tasks as nodes, hosts, a console clock, pytest's `E`, quotes, a supervisor's tag, a
+        line-number gutter, a template's `[r5] ` label)."""
+        return bool(self.srun_nodes or self.hosts or self.clock_stamped or self.pytest or self.quoted
+                    or self.wrapper_tag or self.gutter or self.bracket_label is not None)
+
     @cached_property
     def label_patterns(self) -> tuple[tuple[str, re.Pattern], ...]:
         """The per-line labels this log uses, outermost first (decided once, read for every line)."""

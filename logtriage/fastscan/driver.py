@@ -87,8 +87,7 @@ def _scan_source(result, source, index, matcher, prefilter, pool, progress) -> N
     labels = (SRUN_LABEL if dialect.srun and not dialect.srun_nodes else 0) | (COLLECTOR_STAMP if dialect.stamped else 0)
     # prefixes the kernel does not parse (an indented paste it hands back line by line: a line that
     # starts with a blank is never plain)
-    if (dialect.srun_nodes or dialect.hosts or dialect.clock_stamped or dialect.pytest or dialect.quoted or dialect.gutter
-            or dialect.wrapper_tag or dialect.bracket_label is not None):
+    if dialect.exact_only:
         _exact(scanner, file_chunks(source, CHUNK_BYTES, IN_FLIGHT) if path is not None else itertools.chain([first] if first else [], chunks))
     elif path is not None:
         _file_ranges(scanner, path, pool, prefilter, progress, labels)
