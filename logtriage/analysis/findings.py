@@ -183,12 +183,10 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
             extra.append(hit)     # a whole paste on one line: the launcher's summary and the exit code in it
         if not _passive(hit.rule):
             failing.add(hit.seq)
-    # an entry's lines about its worker: its exitcode line, and its error file's exception line
-    entry_rank = {(f.source, f.line): f.rank for f in failures} | {
-        (f.source, f.exception_line): f.rank for f in failures if f.exception_line is not None}
-    # and where its error file's traceback was: (collective, innermost function)
-    entry_frames = {(f.source, f.exception_line): (f.collective, f.last_frame) for f in failures
-                    if f.exception_line is not None}
+    # an entry's lines about its worker: its exitcode line, and its error file's exception line (which
+    # also says where that traceback was: its collective, its innermost function)
+    error_files = {(f.source, f.exception_line): f for f in failures if f.exception_line is not None}
+    entry_rank = {(f.source, f.line): f.rank for f in failures} | {key: f.rank for key, f in error_files.items()}
     workers = [f for f in failures if f.rank is not None]
     entry_time = {(f.source, f.line): f.time for f in failures}
     # srun started torchrun agents (its labels say so, or torchelastic summarised the workers):
@@ -217,8 +215,9 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
                 rank, how = int(named), "capture"
         frame, frame_file = _innermost_frame(scan, hit)
         collective = scan.block_collectives.get(hit.block_id, "")
-        if (hit.source, hit.line) in entry_frames:
-            collective, frame = entry_frames[(hit.source, hit.line)]
+        error_file = error_files.get((hit.source, hit.line))
+        if error_file is not None:
+            collective, frame = error_file.collective, error_file.last_frame
         findings.append(Finding(hit.rule, hit.captures, hit.source, hit.line, stream, rank, hit.text,
                                 hit.block_id, hit.seq, stamp, how, scan.block_exceptions.get(hit.block_id, ""),
                                 collective,

@@ -7,15 +7,14 @@ one GPU."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.roots import RootCause
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
+from logtriage.demux.blocks import NCCL_PREFIX
 
-NCCL_PREFIX = re.compile(r"^([\w.-]{1,64}):(\d{1,12}):\d{1,12} \[\d{1,4}\] ")
 SETUP_RULE = "context.nccl_init_progress"   # the NCCL set-up lines: Bootstrap, comm rank, channel
 
 

@@ -11,9 +11,9 @@ from collections.abc import Hashable, Mapping
 
 from logtriage.analysis.childfailed import is_own_failure
 from logtriage.analysis.findings import Finding, short_type
-from logtriage.analysis.nccl_ranks import NCCL_PREFIX
 from logtriage.analysis.roots import RankFacts, earliest
 from logtriage.catalog.rule import Category, Layer, Role
+from logtriage.demux.blocks import NCCL_PREFIX
 from logtriage.scan import STEP
 
 

@@ -7,16 +7,15 @@ A rule names the rules whose findings mean that (`recovered_by`); such a finding
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from typing import TYPE_CHECKING
+
+from logtriage.demux.blocks import NCCL_PREFIX
 
 if TYPE_CHECKING:
     from logtriage.analysis.findings import Finding
 
 WINDOW = 30
-# NCCL's line header, `host:pid:tid [device]`: lines of one process, also where no prefix says which
-_NCCL_PID = re.compile(r"^[\w.-]+:(\d+):\d+ \[")
 
 
 def mark_went_on(findings: list["Finding"]) -> list["Finding"]:
@@ -29,13 +28,14 @@ def mark_went_on(findings: list["Finding"]) -> list["Finding"]:
 
 
 def _followed(finding: "Finding", later: list["Finding"]) -> bool:
-    pid = _pid(finding.text)
+    process = _process(finding.text)
     return any(other.rule.id in finding.rule.recovered_by and other.stream == finding.stream
                and other.source == finding.source and 0 < other.line - finding.line <= WINDOW
-               and (pid is None or _pid(other.text) in (None, pid))
+               and (process is None or _process(other.text) in (None, process))
                for other in later)
 
 
-def _pid(text: str) -> str | None:
-    m = _NCCL_PID.match(text)
-    return m.group(1) if m else None
+def _process(text: str) -> tuple[str, str] | None:
+    """(host, pid) of an NCCL line: its lines are one process's also where no prefix says which."""
+    m = NCCL_PREFIX.match(text)
+    return (m.group(1), m.group(2)) if m else None

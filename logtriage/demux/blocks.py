@@ -43,6 +43,8 @@ CHAIN = re.compile(r"^(?:During handling of the above exception, another excepti
 EXCEPTION_HEAD = re.compile(r"^(?!nccl[A-Z])((?:[A-Za-z_]\w*\.)*(?:[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)"
                             r"|Exception|[A-Za-z_]\w*Error_[A-Z]\w*)|(?:[A-Za-z_]\w*\.)+Error)(?::|$)")
 EXCEPTION_LINE = re.compile(r"^(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)(?::(?: (?P<message>.*))?)?$")
+# NCCL's own line header with NCCL_DEBUG set: `host:pid:tid [cudaDev] ` (the host and pid name one process)
+NCCL_PREFIX = re.compile(r"^([\w.-]{1,64}):(\d{1,12}):\d{1,12} \[\d{1,4}\] ")
 CPP_GLOG = re.compile(r"^\[([IWEF])(\d{3,4}) (\d\d:\d\d:\d\d\.\d{3,9})(?: \d+)? ([^ \]]+):(\d+)\] ")
 _CPP_CONT = re.compile(r"^(?:Exception raised from |frame #\d+: |<omitting python frames>|\s)")
 FAULT_START = re.compile(r"^Fatal Python error: ")

@@ -220,12 +220,13 @@ def _unquote(line: str, mark: str) -> str:
 def _numbered(lines: list[str]) -> bool:
     """Whether (nearly) every line starts with its line number: numbers that rise by one from
     line to line and do not come round again."""
-    numbers = [int(m.group(1)) if m else None for m in map(_GUTTER.match, lines)]
+    matches = [_GUTTER.match(line) for line in lines]
+    numbers = [int(m.group(1)) if m else None for m in matches]
     rising = sum(1 for a, b in zip(numbers, numbers[1:]) if a is not None and b == a + 1)
     seen = [n for n in numbers if n is not None]
     # (srun's labels of ranks printing in turn rise by one too, but come round again; a bar after
     # the number is no srun label, so a short paste shows the gutter too)
-    barred = sum(1 for m in map(_GUTTER.match, lines) if m and "|" in m.group(0)) * 3 >= len(lines) * 2
+    barred = sum(1 for m in matches if m and "|" in m.group(0)) * 3 >= len(lines) * 2
     return (len(lines) >= (3 if barred else 10) and rising * 3 >= (len(lines) - 1) * 2
             and len(set(seen)) * 10 >= len(seen) * 9)
 
