@@ -277,6 +277,9 @@ def _who(result: ScanResult, slot: int, captures) -> str:
     key = result.slots.keys[result.slots.final(slot)]
     if key[0] in (SlotKind.RANK, SlotKind.RANK_ATTEMPT):
         return f"rank {key[1]}"
+    if key[0] is SlotKind.LOCAL:
+        rank = result.facts.console_rank.get((key[2], key[1]), -1)
+        return f"rank {rank}" if rank >= 0 else f"local rank {key[1]}"
     if key[0] is SlotKind.PID:
         rank = result.facts.pid_to_rank().get(key[1])
         return f"rank {rank}" if rank is not None else f"pid {key[1]}"

@@ -121,7 +121,10 @@ class LineScanner:
 
     def __init__(self, result: ScanResult, source: Source, index: SourceIndex, matcher: Matcher, dialect: Dialect):
         self.result, self.source, self.index, self.matcher = result, source, index, matcher
-        self.assigner = Assigner(result.slots, result.facts, dialect, source.rank_hint, source.attempt_hint)
+        # a file named for a rank or a worker (`worker-1.log`) that holds a launcher's console is a
+        # node's: its lines name their own ranks, the agent's lines none
+        self.rank_hint = None if dialect.console else source.rank_hint
+        self.assigner = Assigner(result.slots, result.facts, dialect, self.rank_hint, source.attempt_hint)
         result.multi_node = result.multi_node or bool(dialect.hosts) or dialect.srun_nodes
         result.srun_tasks_are_nodes = result.srun_tasks_are_nodes or dialect.srun_nodes
         self.launcher_slot = result.slots.fixed(StreamKind.LAUNCHER)

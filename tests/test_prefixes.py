@@ -23,6 +23,9 @@ PLAIN = Dialect()
     ("[gpu187:2]:RuntimeError: CUDA error", None, 2, "RuntimeError: CUDA error"),           # role with host
     ("[default|rank=1|local=1] [rank1]: Traceback (most recent call last):", 1, 1,
      "Traceback (most recent call last):"),                                                 # prefix template
+    # a template's `[${role_name}|r${rank}] ` (sample_logs/cpu_adhoc/load_size_np16_r9_template)
+    ("[default|r9] [rank9]: \tsize mismatch for 0.weight: copying a param", 9, None,
+     "\tsize mismatch for 0.weight: copying a param"),
     ("[1,3]<stdout>:step 5 loss 2.1", 3, None, "step 5 loss 2.1"),                          # OpenMPI --tag-output
     ("[0]<stderr>:Killed", 0, None, "Killed"),       # horovodrun's gloo launcher (horovod/horovod#2907)
     ("[1,12]<stderr>:Traceback (most recent call last):", 12, None, "Traceback (most recent call last):"),
@@ -297,3 +300,18 @@ def test_a_templates_word_and_number_label_names_the_rank_where_the_log_uses_it_
     # once in a log is no convention: a list index stays text; nor is a loop's counter
     assert Dialect.detect(["[1] first item", "plain", "another", "more"]).bracket_label is None
     assert Dialect.detect([f"[epoch{e}] loss 0.5" for e in range(4)]).bracket_label is None
+
+
+def test_local_ranks_that_are_not_global_ranks_are_scoped_only_where_the_log_shows_it():
+    # --tee's `[default2]:` is a local rank; on a second node's console (sample_logs/cpu_adhoc/
+    # sigbus_np8_r6_srun2, node 1) its traceback lines say `[default3]:[rank7]:`, its summary
+    # `rank      : 6 (local_rank: 2)`: such a log is read by the exact path, console by console
+    one_node = ["[default0]:step 1", "[default1]:[rank1]: Traceback (most recent call last):",
+                "  rank      : 1 (local_rank: 1)"]
+    assert not Dialect.detect(one_node).local_scoped
+    assert Dialect.detect(one_node + ["[default3]:[rank7]: Traceback (most recent call last):"]).local_scoped
+    summary = Dialect.detect(["[default2]:Fatal Python error: Bus error", "  rank      : 6 (local_rank: 2)"])
+    assert summary.local_scoped and summary.exact_only
+    # with host labels the host scopes them already
+    hosts = Dialect.detect(["worker-1: [default3]:[rank7]: boom"] * 6)
+    assert hosts.hosts and not hosts.local_scoped

@@ -1484,3 +1484,111 @@ def test_a_second_nodes_lost_rendezvous_pasted_first_yields_to_a_workers_error(t
     # alone, the lost rendezvous is still what the log shows
     rc = _report(tmp_path / "run.log", node1)["root_cause"]
     assert (rc["rule_id"], rc["category"]) == ("dist.rendezvous_connection", "rendezvous")
+
+
+def _node_consoles(path: str) -> list[list[str]]:
+    """A real two-node run's console split by its srun (`1: `) or pdsh (`worker-1: `) label into
+    each node's own console, label stripped, each node's order kept (as one node's terminal shows it)."""
+    nodes: list[list[str]] = [[], []]
+    for line in open(path, encoding="utf-8").read().splitlines():
+        m = re.match(r"^(?:worker-)?([01]): ", line)
+        if m:
+            nodes[int(m.group(1))].append(line[m.end():])
+    return nodes
+
+
+def test_tee_local_ranks_of_a_nodes_console_pasted_without_host_labels_are_its_global_ranks(tmp_path):
+    # sample_logs/cpu_adhoc/sigbus_np8_r6_srun2 (torch 2.13, two torchrun agents under srun, --tee 3):
+    # rank 6 (node 1's local rank 2) died of SIGBUS, printing no traceback, only `[default2]:` lines.
+    # Pasted node by node without srun's labels, or node 1's console alone, `[default2]:` is rank 6
+    # there (its summary's `rank : 6 (local_rank: 2)`, its `[default3]:[rank7]:` lines) and rank 2 in
+    # node 0's console.
+    node0, node1 = _node_consoles("sample_logs/cpu_adhoc/sigbus_np8_r6_srun2.log")
+    log = tmp_path / "paste.log"
+    for lines in (node0 + node1, node1 + node0, node1, ["node 0:"] + node0 + ["", "node 1:"] + node1):
+        report = _report(log, "\n".join(lines) + "\n")
+        rc = report["root_cause"]
+        assert (rc["rule_id"], rc["category"], rc["rank"]) == ("signal.sigbus", "crash_signal", 6)
+        assert "Fatal Python error: Bus error" in rc["text"]
+        speaking = {r["rank"] for r in report["ranks"] if r["lines"]}
+        assert speaking >= {4, 5, 6, 7} and (lines is node1 or speaking >= {0, 1, 2, 3})
+    # two files, one per node, named for the node (not a rank's file: `worker-1.log` holds node 1's
+    # console, its agent's lines and four ranks'), given one by one or as their folder: each is a
+    # console of its own
+    folder = tmp_path / "nodes"
+    folder.mkdir()
+    (folder / "worker-0.log").write_text("\n".join(node0) + "\n")
+    (folder / "worker-1.log").write_text("\n".join(node1) + "\n")
+    for args in ([str(folder / "worker-1.log"), str(folder / "worker-0.log")], [str(folder)]):
+        rc = triage(args).to_dict()["root_cause"]
+        assert (rc["rule_id"], rc["rank"]) == ("signal.sigbus", 6)
+
+
+def test_two_nodes_lines_interleaved_in_one_console_keep_their_local_ranks(tmp_path):
+    # the same run, srun's labels removed but the nodes' lines left interleaved: `[default2]:` names
+    # rank 2 on one node and rank 6 on the other, so it cannot be mapped; it stays rank 2, as before
+    lines = [re.sub(r"^[01]: ", "", line) for line in
+             open("sample_logs/cpu_adhoc/sigbus_np8_r6_srun2.log", encoding="utf-8").read().splitlines()]
+    report = _report(tmp_path / "merged.log", "\n".join(lines) + "\n")
+    assert report["root_cause"]["rule_id"] == "signal.sigbus"
+    assert report["root_cause"]["rank"] in (2, 6)
+
+
+def test_ranks_of_a_node_whose_console_is_not_pasted_did_not_skip_the_collective(tmp_path):
+    # sample_logs/cpu_adhoc/stall_np6_r3_pdsh2 (two agents of three ranks under pdsh): rank 3 (node 1's
+    # local rank 0) stalled, ranks 4 and 5 timed out. Node 1's console alone: ranks 0-2 print nothing
+    # and its agent's summary does not list them; they are the other node's, not the ranks that
+    # never joined
+    node0, node1 = _node_consoles("sample_logs/cpu_adhoc/stall_np6_r3_pdsh2.log")
+    rc = _report(tmp_path / "node1.log", "\n".join(node1) + "\n")["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("gloo.timeout", "collective_timeout", 3)
+    # node 0's console alone, under the command that started it (fault22_nodes.py runs each node's
+    # torchrun so): every rank in it timed out; the reading says whose console is missing
+    command = "$ torchrun --nnodes=2 --nproc-per-node=3 --node-rank=0 fault22.py --fault stall --rank 3"
+    rc = _report(tmp_path / "node0.log", "\n".join([command] + node0) + "\n")["root_cause"]
+    assert (rc["rule_id"], rc["rank"]) == ("gloo.timeout", None)
+    assert any("ranks 3–5 print nothing" in reason for reason in rc["reasons"])
+
+
+def _stopped_workers_log(world: int, culprit: int, sent: list[int]) -> str:
+    """torchrun's teardown after rank `culprit` raised (torch 2.13 format, sample_logs/cpu/
+    rank_exception__np4): its `Sending process P closing signal SIGTERM` for the pids in `sent`,
+    then the summary: the other workers at -15, the culprit's exit 1 as Root Cause."""
+    agent = "W1202 08:00:01.000000 100 torch/distributed/elastic/multiprocessing/api.py:1028] "
+    pid = {r: 1000 + r for r in range(world)}
+    entry = ("[{i}]:\n  time      : 2026-12-02_08:00:02\n  host      : node01\n  rank      : {r} (local_rank: {r})\n"
+             "  exitcode  : {code} (pid: {p})\n  error_file: <N/A>\n  traceback : {tb}\n")
+    rule = "-" * 60 + "\n"
+    text = (f"[rank{culprit}]: Traceback (most recent call last):\n"
+            f'[rank{culprit}]:   File "/job/train.py", line 40, in <module>\n[rank{culprit}]:     batch = data["target"]\n'
+            f"[rank{culprit}]: KeyError: 'target'\n")
+    text += "".join(f"{agent}Sending process {pid[r]} closing signal SIGTERM\n" for r in sent)
+    text += (f"E1202 08:00:02.000000 100 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) "
+             f"local_rank: {culprit} (pid: {pid[culprit]}) of binary: /venv/bin/python3\n")
+    text += ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n" + "=" * 60 + "\ntrain.py FAILED\n"
+             + rule + "Failures:\n")
+    others = [r for r in range(world) if r != culprit]
+    text += "".join(entry.format(i=i, r=r, code=-15, p=pid[r], tb="Signal 15 (SIGTERM) received by PID " + str(pid[r]))
+                    for i, r in enumerate(others, 1))
+    text += rule + "Root Cause (first observed failure):\n"
+    text += entry.format(i=0, r=culprit, code=1, p=pid[culprit], tb="To enable traceback see: https://x") + "=" * 60 + "\n"
+    return text
+
+
+def test_the_agents_sigterms_to_a_thousand_workers_are_all_counted_and_a_trimmed_list_proves_nothing(tmp_path):
+    # a 128-rank run: torchrun names every worker it stops; the findings keep a rule's first 50
+    # lines per stream, but every pid counts (docs/research/gaps44.md S1), so no worker's -15 was
+    # "unsent"
+    report = _report(tmp_path / "big.log", _stopped_workers_log(128, 97, [r for r in range(128) if r != 97]))
+    assert not [f for f in report["findings"] if f["rule_id"] == "signal.sigterm_unsent"]
+    rc = report["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.exception", "python_exception", 97)
+    # a paste that keeps one `Sending process` line of many: the others' -15s are not unsent
+    report = _report(tmp_path / "trimmed.log", _stopped_workers_log(16, 5, [0]))
+    assert not [f for f in report["findings"] if f["rule_id"] == "signal.sigterm_unsent"]
+    assert (report["root_cause"]["rule_id"], report["root_cause"]["rank"]) == ("python.exception", 5)
+    # one worker of eight stopped from outside before the teardown: its SIGTERM is its own end
+    log = _stopped_workers_log(8, 5, [r for r in range(8) if r not in (5, 3)])
+    report = _report(tmp_path / "outside.log", log)
+    assert {f["rank"] for f in report["findings"] if f["rule_id"] == "signal.sigterm_unsent"} == {3}
+    assert (report["root_cause"]["rule_id"], report["root_cause"]["rank"]) == ("python.exception", 5)

@@ -44,7 +44,7 @@ from logtriage.analysis.refine import (
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
 from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_named_ranks, group_destroyed,
                                               oom_on_shared_gpu, spawn_report_yields, timer_reaped, unresolved_host,
-                                              writer_behind_readers)
+                                              waited_for_a_crash, writer_behind_readers)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
 from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, message_of, output_stopped, stalled_before_stop,
                                         still_retrying, stuck_after_warning, unknown_error_line)
@@ -71,10 +71,11 @@ class Diagnosis:
 
 
 def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
-    keys = scan.slots.resolve(scan.facts.pid_to_rank(), scan.facts.attempt_of_segment, scan.facts.host_rank)
+    keys = scan.slots.resolve(scan.facts.pid_to_rank(), scan.facts.attempt_of_segment, scan.facts.host_rank,
+                             scan.facts.console_rank)
     failures = parse_child_failures(scan.launcher_lines)
-    findings = agent_sigkills(unsent_sigterms(attribute_by_nccl_pid(resolve_findings(scan, keys, failures)), catalog),
-                              catalog)
+    findings = agent_sigkills(unsent_sigterms(attribute_by_nccl_pid(resolve_findings(scan, keys, failures)), catalog,
+                                              frozenset(scan.facts.teardown_pids)), catalog)
     stream_stats = _merge_stats(scan, keys)
     facts = _rank_facts(stream_stats, failures, findings, scan.world_size)
     root = choose_root(findings, facts)
@@ -94,7 +95,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
                                      findings, catalog)
         root = stalled_before_stop(scan, root, findings, catalog)
     if root is not None:
-        root = timer_reaped(root, findings)
+        root = timer_reaped(waited_for_a_crash(root, findings), findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
         root = sigkill_on_gpu_job(root, findings, catalog)
     if root is not None:

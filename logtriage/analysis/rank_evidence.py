@@ -100,15 +100,17 @@ def rank_reporting_the_same(first: Finding, live: list[Finding]) -> int | None:
     return next(iter(ranks)) if len(ranks) == 1 else None
 
 
-def refine_rank(first: Finding, live: list[Finding], ranks: tuple[int, ...]) -> int | None:
+def refine_rank(first: Finding, live: list[Finding], ranks: tuple[int, ...]) -> tuple[int, str] | None:
     """Among ranks sharing one error, an earlier single-rank sign of the same kind names the
     culprit (e.g. the rank whose loss went NaN first before every rank's grad-norm check failed);
     ranks that all waited in the store for one rank's address (`keys: /default_pg/0//cpu//0/2`)
-    name that rank: it never published it (it took another rank's number, or never started)."""
+    name that rank: it never published it (it took another rank's number, or never started).
+    Returns the rank and why."""
     awaited = {int(m.group(1)) for f in live if f.rule.id == first.rule.id
                and (m := _AWAITED_RANK.search(f.captures.get("keys", "")))}
     if len(awaited) == 1 and awaited <= set(ranks):
-        return next(iter(awaited))
+        rank = next(iter(awaited))
+        return rank, f"every rank waited in the store for rank {rank}'s address: it never published it"
     if first.category is not Category.NUMERICAL:
         return None
     by_step = _first_step_per_rank([f for f in live if f.rule.id == first.rule.id and f.rank is not None])
@@ -116,12 +118,17 @@ def refine_rank(first: Finding, live: list[Finding], ranks: tuple[int, ...]) -> 
         lowest = min(by_step.values())
         went_first = [r for r, step in by_step.items() if step == lowest]
         if len(went_first) == 1 and len(by_step) > 1:
-            return went_first[0]   # ranks print at their own pace: the step, not the line order, says who went first
+            # ranks print at their own pace: the step, not the line order, says who went first
+            return went_first[0], f"rank {went_first[0]} showed it at an earlier step ({lowest}) than the others"
+    # (the launcher summary's copy of a rank's error file is that error again, not a sign of its own)
     signs = [f for f in live if f.category is first.category and f.rank is not None
-             and f.signature != first.signature and f.role is not Role.CASCADE_CANDIDATE]
+             and f.signature != first.signature and f.role is not Role.CASCADE_CANDIDATE
+             and f.attributed_by != "launcher"]
     if not signs:
         return None
-    return earliest(signs).rank
+    sign = earliest(signs)
+    return sign.rank, (f"rank {sign.rank} showed it on its own first (line {sign.line}: "
+                       f"{sign.text.strip()[:80]}); the others' error is its spread")
 
 
 def _first_step_per_rank(findings: list[Finding]) -> dict[int, int]:

@@ -187,18 +187,23 @@ SIGTERM_RULE = "signal.sigterm"
 SIGTERM_UNSENT = "signal.sigterm_unsent"
 
 
-def unsent_sigterms(findings: list[Finding], catalog: Catalog) -> list[Finding]:
+def unsent_sigterms(findings: list[Finding], catalog: Catalog, stopped: frozenset[int] = frozenset()) -> list[Finding]:
     """A worker that died of SIGTERM the launcher did not send: torchrun names the pid of every
     worker it stops, so a -15 whose pid is not among them was signalled from elsewhere, before
     the teardown, and is that worker's own end (not teardown). Only where the log shows the
-    launcher's SIGTERMs (or srun's notices, below): without them nothing tells the two apart."""
+    launcher's SIGTERMs (or srun's notices, below): without them nothing tells the two apart.
+    `stopped`: every pid the launcher's lines named as stopped while reading (the findings keep
+    a rule's first lines per stream only: a thousand workers' SIGTERMs are more)."""
     rule = catalog.get(SIGTERM_UNSENT)
     if rule is None:
         return findings
     sent = {int(f.captures["pid"]) for f in findings if f.rule.id == TEARDOWN_RULE
             and f.captures.get("signal") == "SIGTERM" and f.captures.get("pid", "").isdigit()}
+    sent |= stopped if sent else frozenset()
     unsent = {i for i, f in enumerate(findings) if sent and f.rule.id == SIGTERM_RULE
               and f.captures.get("pid", "").isdigit() and int(f.captures["pid"]) not in sent}
+    if len({findings[i].captures["pid"] for i in unsent}) > max(1, len(sent)):
+        unsent = set()   # more workers unnamed than named: the paste left most of the launcher's list out
     # srun reports each task's end; it terminates tasks itself only after one failed (or on a
     # cancel, all at once): a single task's "Terminated" before any other task's end was its own
     notices = sorted((i for i, f in enumerate(findings) if SRUN_TASK_NOTICE.match(f.text)),

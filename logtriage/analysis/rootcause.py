@@ -43,7 +43,8 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
         if before:
             return _group_root(before, live, facts, 0.6)
         return _group_root(roots, live, facts, 0.9)
-    either = [f for f in live if f.role is Role.EITHER and not _explained(f, live)]
+    explained = _explained_in(live)
+    either = [f for f in live if f.role is Role.EITHER and not explained(f)]
     if _collective_timeouts(live):
         # Exit codes and signals seen by the launcher (-6 after an NCCL watchdog abort) are how
         # timed-out processes end, and what a timeout's stamp shows came later is its aftermath
@@ -126,8 +127,9 @@ def _errors_before_stop(roots: list[Finding], live: list[Finding]) -> list[Findi
     if not all(f.category is Category.EXTERNAL_STOP for f in roots):
         return []
     stop = earliest(roots)
+    explained = _explained_in(live)
     return [f for f in live if f.role is Role.EITHER and f.category not in _STOP_ECHOES
-            and f.attributed_by != "launcher" and not _explained(f, live)
+            and f.attributed_by != "launcher" and not explained(f)
             and earliest([f, stop]) is f and f.seq < stop.seq]
 
 
@@ -178,19 +180,25 @@ def _hang_after(timeout: Finding, finding: Finding) -> bool:
             and (timeout.rank is None or finding.rank is None or timeout.rank == finding.rank))
 
 
-def _explained(finding: Finding, live: list[Finding]) -> bool:
-    """An ambiguous finding (a SIGABRT, an exit code) on a rank that already reported an error of
-    its own (a watchdog timeout, a peer error) is that error's consequence. A launcher summary
-    line about a rank is explained by anything that rank printed. The launcher's own header about
-    a rank (`-- Process 1 terminated with the following error:`) explains nothing: the rank's
-    error follows it."""
-    if finding.rank is None:
-        return False
-    from_launcher = finding.attributed_by == "launcher"
-    return any(other.rank == finding.rank and other is not finding and other.role is not Role.EITHER
-               and (from_launcher or other.seq < finding.seq)
-               and not (other.stream.kind is StreamKind.LAUNCHER and other.role is Role.CASCADE_CANDIDATE)
-               for other in live)
+def _explained_in(live: list[Finding]):
+    """A predicate: whether an ambiguous finding (a SIGABRT, an exit code) is on a rank that already
+    reported an error of its own (a watchdog timeout, a peer error): then it is that error's
+    consequence. A launcher summary line about a rank is explained by anything that rank printed.
+    The launcher's own header about a rank (`-- Process 1 terminated with the following error:`)
+    explains nothing: the rank's error follows it. (Each rank's first explaining line, found once:
+    thousands of ranks' findings are read in one pass.)"""
+    first: dict[int, int] = {}
+    for other in live:
+        if other.rank is None or other.role is Role.EITHER or (
+                other.stream.kind is StreamKind.LAUNCHER and other.role is Role.CASCADE_CANDIDATE):
+            continue
+        if other.rank not in first or other.seq < first[other.rank]:
+            first[other.rank] = other.seq
+
+    def explained(finding: Finding) -> bool:
+        seq = first.get(finding.rank) if finding.rank is not None else None
+        return seq is not None and (finding.attributed_by == "launcher" or seq < finding.seq)
+    return explained
 
 
 GENERIC_EXCEPTION_RULE = "python.exception"
@@ -242,7 +250,10 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
             rank = facts.summary_root   # only the launcher's reports: the one it observed first
         refined = refine_rank(first, live, ranks)
         if refined is not None:
-            rank = refined
+            if refined[0] != rank:   # one rank's own sign came first: not a bug they all share
+                reasons[-1] = f"the same error on {len(ranks)} ranks"
+                reasons.append(refined[1])
+            rank = refined[0]
     elif rank is None and (alike := all_exited_alike(first, group, live, facts)):
         rank, ranks = min(alike), alike
         reasons.append(f"the line carries no rank; it is printed more than once and all {len(alike)} ranks "

@@ -177,3 +177,28 @@ def writer_behind_readers(root: RootCause, findings: list[Finding]) -> RootCause
     return RootCause(writer.rule, writer, writer.rank, (writer.rank,), root.confidence, (
         f"rank {writer.rank} failed writing a checkpoint; the read failures of rank(s) {ranges(sorted(readers))} "
         f"({root.rule.id}) are what that write left behind",))
+
+
+# a process's own death by a signal (a native crash, an abort it called), not a stop from outside
+_OWN_SIGNALS = {"signal.sigsegv": "SIGSEGV", "signal.sigbus": "SIGBUS", "signal.sigabrt": "SIGABRT"}
+_WAITING = frozenset({Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR})
+
+
+def waited_for_a_crash(root: RootCause, findings: list[Finding]) -> RootCause:
+    """The rank the others' timeouts point at (a debug report names it, or it is missing from their
+    collective) died of a signal of its own and reports no wait of its own: its crash is the root,
+    the timeouts its consequence (a monitored barrier names the rank that aborted at once). A
+    SIGABRT counts only where NCCL is not in the log (its watchdog aborts timed-out ranks itself)."""
+    rank = root.rank
+    if root.rule.category is not Category.COLLECTIVE_TIMEOUT or rank is None:
+        return root
+    if any(f.rank == rank and f.category in _WAITING for f in findings):
+        return root
+    aborts_on_timeout = any(f.rule.id.startswith("nccl.") for f in findings)
+    crash = next((f for f in findings if f.rank == rank and f.rule.id in _OWN_SIGNALS and f.is_error
+                  and not (aborts_on_timeout and f.rule.id == "signal.sigabrt")), None)
+    if crash is None:
+        return root
+    return RootCause(crash.rule, crash, rank, (rank,), root.confidence, root.reasons + (
+        f"rank {rank}, the one the others waited for, died of {_OWN_SIGNALS[crash.rule.id]} and never waited "
+        f"itself: its crash came first, their wait ({root.rule.id}) is its consequence",))

@@ -127,6 +127,12 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
             f"ranks {ranges(sorted(timed_out), limit=8)} timed out in a collective; rank {lone} did not time out, "
             f"its own wait ended on their closed connections: it was not in their collective (late, or in another "
             f"one its code took)",))
+    absent = absent_node(facts)
+    if absent:
+        return RootCause(first.rule, first, None, tuple(sorted(timed_out)), 0.35, (
+            f"every rank in this log timed out; ranks {ranges(sorted(absent), limit=8)} print nothing and the "
+            "launcher's summary does not list them: their node's console is not in this paste, and the rank the "
+            "others waited for is likely among them",))
     return RootCause(first.rule, first, None, tuple(sorted(timed_out)), 0.35,
                      ("every rank timed out and nothing in the log tells them apart",))
 
@@ -165,8 +171,22 @@ def unseen_ranks(facts: RankFacts) -> frozenset[int]:
     `--redirects`, output kept in per-rank files). Such a rank may have waited like the others."""
     silent = facts.known - facts.speaking
     if not facts.speaking or not any(0 < facts.exit_codes.get(r, 0) < 128 for r in silent):
-        return frozenset()
+        return absent_node(facts)
     return frozenset(silent)
+
+
+def absent_node(facts: RankFacts) -> frozenset[int]:
+    """Ranks of another node whose console is not in the paste: silent, and outside the unbroken
+    run of ranks the present agent's summary lists (every speaking rank among them), which starts
+    where a node's ranks start (a multiple of its size); a node's worth of them at least. An agent
+    lists each of its workers; ranks it does not list ran under another agent."""
+    listed = set(facts.exit_codes)
+    size = len(listed)
+    if size < 2 or max(listed) - min(listed) + 1 != size or min(listed) % size or not facts.speaking <= listed:
+        return frozenset()
+    low, high = min(listed), max(listed)
+    absent = frozenset(r for r in facts.known - facts.speaking if r < low or r > high)
+    return absent if len(absent) >= size else frozenset()
 
 
 def _enqueued_fewer(findings: list[Finding]) -> tuple[int, int, int] | None:

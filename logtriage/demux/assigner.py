@@ -100,6 +100,7 @@ class Assigner:
         self.pending_rule: int | None = None
         self.blocks: dict[int, tuple[B.BlockKind, int]] = {}   # block id -> (kind, slot)
         self.tracebacks = TracebackFacts()
+        facts.new_console()     # a source file is a console of its own
 
     # -- public -------------------------------------------------------------------------------
     def feed(self, line: str) -> list[Part]:
@@ -133,7 +134,13 @@ class Assigner:
             rank = None   # the node's step daemon, on whichever task's stream srun --label put it
         if rank is None and self.rank_hint is not None:
             rank = self.rank_hint
-        explicit_slot = self._rank_slot(rank, p.host or "") if rank is not None else None
+        explicit_slot = None
+        if self.dialect.local_scoped and p.local_rank is not None and not p.host and self.attempt_hint is None:
+            console = self.facts.local_line(p.local_rank, p.rank)
+            if p.rank is None:   # a local rank alone: its console's global rank, once known
+                explicit_slot = self.slots.local(p.local_rank, console, self.facts.segment)
+        if explicit_slot is None and rank is not None:
+            explicit_slot = self._rank_slot(rank, p.host or "")
 
         block = self.block
         if block is not None:

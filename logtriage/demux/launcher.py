@@ -71,6 +71,13 @@ class LauncherFacts:
     # rank (pdsh + `--tee`): from a `[default1]:[rank4]:` line, a rank marker in the worker's text,
     # or the host's ChildFailedError entry `rank: 4 (local_rank: 1)`
     host_rank: dict[tuple[str, int], int] = field(default_factory=dict)
+    # (console, local rank) -> global rank where local ranks carry no host (one node's console, or
+    # several pasted one after another): from `[default2]:[rank6]:` lines and the console's summary;
+    # -1 where they disagree (two nodes' lines interleaved in one console). A console ends with
+    # its agent's summary (the next local rank's line starts another) and with its source file.
+    console_rank: dict[tuple[int, int], int] = field(default_factory=dict)
+    console: int = 0
+    _console_summarised: bool = False
     _pending_cfe_rank: int | None = None
 
     @property
@@ -91,6 +98,8 @@ class LauncherFacts:
         m = CFE_RANK.match(text)
         if m:
             self._pending_cfe_rank = int(m.group(1))
+            self._note_console_rank(int(m.group(2)), int(m.group(1)))
+            self._console_summarised = True
             return
         m = CFE_EXIT.match(text)
         if m and self._pending_cfe_rank is not None:
@@ -99,6 +108,25 @@ class LauncherFacts:
             return
         if RESTART.search(text):
             self.restart_marked = True
+
+    def new_console(self) -> None:
+        self.console += 1
+        self._console_summarised = False
+
+    def local_line(self, local: int, rank: int | None) -> int:
+        """A line with a local rank and no host: its console (a new one after a summary), noting
+        the global rank it names."""
+        if self._console_summarised:
+            self.new_console()
+        if rank is not None:
+            self._note_console_rank(local, rank)
+        return self.console
+
+    def _note_console_rank(self, local: int, rank: int) -> None:
+        key = (self.console, local)
+        known = self.console_rank.setdefault(key, rank)
+        if known != rank:
+            self.console_rank[key] = -1
 
     def pid_to_rank(self) -> dict[int, int]:
         merged = dict(self.pid_local_rank)

@@ -81,8 +81,10 @@ _STREAM_TAG = re.compile(r"^\[std(?:out|err)\] ?")
 _TEE = re.compile(r"^\[([A-Za-z_][A-Za-z_-]*?)(\d{1,7})\]:")
 _TEE_HOST = re.compile(r"^\[([A-Za-z0-9][A-Za-z0-9_.-]*):(\d{1,7})\]:")
 _EXCEPTHOOK = re.compile(r"^\[rank(\d{1,12})\]:(?: |(?=\[)|$)")
+_SUMMARY_RANK = re.compile(r"^\s*rank\s*: (\d{1,12}) \(local_rank: (\d{1,12})\)")   # a ChildFailedError entry's
 _TEMPLATE = re.compile(r"^\[([^\[\]\n]{1,120})\]:? ")
-_TEMPLATE_RANK = re.compile(r"(?:^|[|,;\s])(?:global_)?rank[=:\s]?(\d{1,12})(?:$|[|,;\s/])", re.IGNORECASE)
+# (a field of its own: `rank=1`, `rank 1`, `rank1`, or `r1` as in `[${role_name}|r${rank}] `)
+_TEMPLATE_RANK = re.compile(r"(?:^|[|,;\s])(?:global_)?(?:rank|r)[=:\s]?(\d{1,12})(?:$|[|,;\s/])", re.IGNORECASE)
 # a trainer's own upper-case rank label on every line it writes (SimpleTuner: `[RANK 1] 2026-05-19 ...`)
 _RANK_LABEL = re.compile(r"^\[RANK (\d{1,9})\] ")
 # a line-prefix template's own label (`TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[r${rank}] '`): one short
@@ -124,14 +126,20 @@ class Dialect:
     indent: int = 0            # blanks in front of every line: a paste indented as a code block (or by tabs)
     gutter: bool = False       # every line starts with its line number (a log viewer's copy)
     bracket_label: str | None = None   # the word of a template's `[r1] ` label on many lines ("" for `[1] `)
+    # a node's local ranks (`--tee`'s `[default2]:`) that are not its global ranks, with no host label to
+    # scope them: a later node's console (pasted after the first), or one node's alone
+    local_scoped: bool = False
+    # a launcher's console: its agent's own lines, or several ranks' prefixes (a file named for a
+    # node, `worker-1.log`, is not that rank's output)
+    console: bool = False
 
     @property
     def exact_only(self) -> bool:
         """Prefix layers the fast scan's compiled kernel does not parse: such a log takes the exact
         path (srun tasks as nodes, hosts, a console clock, pytest's `E`, quotes, a supervisor's tag, a
-        line-number gutter, a template's `[r5] ` label)."""
+        line-number gutter, a template's `[r5] ` label, local ranks that are not global ones)."""
         return bool(self.srun_nodes or self.hosts or self.clock_stamped or self.pytest or self.quoted
-                    or self.wrapper_tag or self.gutter or self.bracket_label is not None)
+                    or self.wrapper_tag or self.gutter or self.bracket_label is not None or self.local_scoped)
 
     @cached_property
     def label_patterns(self) -> tuple[tuple[str, re.Pattern], ...]:
@@ -194,11 +202,14 @@ class Dialect:
             chosen |= frozenset(named)
         srun = srun_hits * 3 >= len(lines) and srun_hits >= 3
         bracket_label = _bracket_label(lines, srun)
+        srun_nodes = srun and _tasks_are_nodes(lines)
         return cls(srun=srun, stamped=stamped, clock_stamped=clock_stamped, pytest=pytest, quoted=quoted,
                    quote_mark=quote_mark,
                    wrapper_tag=wrapper_tag,
-                   hosts=chosen, srun_nodes=srun and _tasks_are_nodes(lines), indent=indent, gutter=gutter,
-                   bracket_label=bracket_label)
+                   hosts=chosen, srun_nodes=srun_nodes, indent=indent, gutter=gutter,
+                   bracket_label=bracket_label,
+                   local_scoped=not chosen and not srun_nodes and _locals_not_global(lines),
+                   console=_a_console(lines))
 
 
 def _quoted(line: str, mark: str) -> bool:
@@ -289,6 +300,39 @@ def _tasks_are_nodes(lines: list[str]) -> bool:
             return True
         r = _EXCEPTHOOK.match(rest)
         if r and r.group(1) != m.group(1):
+            return True
+    return False
+
+
+def _locals_not_global(lines: list[str]) -> bool:
+    """Whether `--tee`'s local ranks are another node's: a `[default2]:[rank6]:` line, or a
+    launcher summary's `rank : 6 (local_rank: 2)` entry (one node's console pasted alone)."""
+    for line in lines:
+        if line[:1] == "[":
+            m = _TEE.match(line)
+            if m and m.group(1) != "rank":
+                r = _EXCEPTHOOK.match(line[m.end():])
+                if r and r.group(1) != m.group(2):
+                    return True
+        elif "local_rank" in line:
+            m = _SUMMARY_RANK.match(line)
+            if m and m.group(1) != m.group(2):
+                return True
+    return False
+
+
+def _a_console(lines: list[str]) -> bool:
+    """Whether the sample is a launcher's console: an agent's own line, or prefixes (--tee's local
+    rank, the excepthook's global one) naming two ranks or more."""
+    ranks: set[tuple[str, str]] = set()
+    for line in lines:
+        if line[:1] == "[":
+            m = _EXCEPTHOOK.match(line) or _TEE.match(line)
+            if m:
+                ranks.add((m.group(0)[:2], m.group(m.lastindex)))
+                if len(ranks) >= 2:
+                    return True
+        elif _AGENT_LINE.match(line):
             return True
     return False
 

@@ -47,6 +47,7 @@ class SlotKind(str, Enum):
     PID = "pid"            # (pid, segment): a worker pid, a rank once the agent names it
     BLOCK = "block"        # a bare multi-line block whose owner is decided when it ends
     RANK_ATTEMPT = "rank_attempt"  # (rank, host, attempt): per-rank files name their attempt
+    LOCAL = "local"        # (local rank, console, segment): a node's local rank with no host label
 
 
 @dataclass
@@ -80,6 +81,9 @@ class SlotTable:
     def rank_attempt(self, rank: int, host: str, attempt: int) -> int:
         return self.slot((SlotKind.RANK_ATTEMPT, rank, host, attempt))
 
+    def local(self, local: int, console: int, segment: int) -> int:
+        return self.slot((SlotKind.LOCAL, local, console, segment))
+
     def new_block(self) -> int:
         return self.slot((SlotKind.BLOCK, len(self.keys)))
 
@@ -91,10 +95,13 @@ class SlotTable:
         return slot
 
     def resolve(self, pid_rank: dict[int, int], attempt_of_segment,
-                host_rank: dict[tuple[str, int], int] | None = None) -> list[StreamKey]:
+                host_rank: dict[tuple[str, int], int] | None = None,
+                console_rank: dict[tuple[int, int], int] | None = None) -> list[StreamKey]:
         """StreamKey for every slot. `attempt_of_segment(segment) -> attempt`; `host_rank` turns a
-        host's local rank into its global rank."""
+        host's local rank into its global rank, `console_rank` a console's (-1: its lines disagree,
+        the local rank stands)."""
         host_rank = host_rank or {}
+        console_rank = console_rank or {}
         out: list[StreamKey] = []
         for index in range(len(self.keys)):
             key = self.keys[self.final(index)]
@@ -104,6 +111,10 @@ class SlotTable:
             elif kind is SlotKind.RANK:
                 rank = host_rank.get((key[2], key[1]), key[1]) if key[2] else key[1]
                 out.append(StreamKey(StreamKind.RANK, rank, attempt_of_segment(key[3]), key[2]))
+            elif kind is SlotKind.LOCAL:
+                rank = console_rank.get((key[2], key[1]), -1)
+                rank = key[1] if rank < 0 else rank
+                out.append(StreamKey(StreamKind.RANK, rank, attempt_of_segment(key[3])))
             elif kind is SlotKind.RANK_ATTEMPT:
                 out.append(StreamKey(StreamKind.RANK, key[1], key[3], key[2]))
             elif kind is SlotKind.PID and key[1] in pid_rank:

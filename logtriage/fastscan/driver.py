@@ -101,7 +101,7 @@ def _file_ranges(scanner: LineScanner, path: str, pool, prefilter, progress, lab
     each range); this process only reads back the few lines the exact path needs."""
     global _PREFILTER
     _PREFILTER = prefilter
-    hint = -1 if scanner.source.rank_hint is None else scanner.source.rank_hint
+    hint = -1 if scanner.rank_hint is None else scanner.rank_hint
     size = os.path.getsize(path)
     merger = ChunkMerger(scanner)
     number = 1
@@ -131,7 +131,7 @@ def _merge_range(merger: ChunkMerger, fd: int, job, number: int, progress) -> in
 
 
 def _stream(scanner: LineScanner, chunks, pool, prefilter, progress, labels: int) -> None:
-    hint = -1 if scanner.source.rank_hint is None else scanner.source.rank_hint
+    hint = -1 if scanner.rank_hint is None else scanner.rank_hint
     merger = ChunkMerger(scanner)
     number = 1
     pending: deque = deque()
