@@ -25,6 +25,7 @@ from logtriage.demux.clean import clean, decode
 from logtriage.demux.launcher import LauncherFacts
 from logtriage.demux.prefixes import Dialect
 from logtriage.demux.streams import SlotTable, StreamKind
+from logtriage.demux.wrapped import RowJoiner
 from logtriage.errors import InputError
 from logtriage.ingest.reader import iter_raw_lines
 from logtriage.ingest.sources import Source
@@ -131,16 +132,31 @@ class LineScanner:
         self.probe_slot = result.slots.fixed(StreamKind.PROBE)
         self.banner_slot = result.slots.fixed(StreamKind.BANNER)
         self.lines = 0
+        self.joiner = RowJoiner(dialect.wrap_width, dialect.srun) if dialect.wrap_width else None
 
     def line(self, number: int, offset: int, raw: bytes, may_match: bool = True, index: bool = True) -> int:
         """Process one physical line; returns the slot of its first part. `may_match=False`: the
-        caller proved no rule can match it; `index=False`: the caller records offset and slot."""
+        caller proved no rule can match it; `index=False`: the caller records offset and slot.
+        In a hard-wrapped paste a row is held until the rows of its line are all read (returns -1
+        while held; such a log takes this path alone, which indexes every row)."""
+        text = clean(decode(raw))
+        if self.joiner is None:
+            return self._logical((number,), (offset,), text, may_match, index)
+        slot = -1
+        for numbers, offsets, joined in self.joiner.push(number, offset, text):
+            slot = self._logical(numbers, offsets, joined, True, index)
+        return slot
+
+    def _logical(self, numbers: tuple[int, ...], offsets: tuple[int, ...], text: str, may_match: bool,
+                 index: bool) -> int:
         result = self.result
-        parts = self.assigner.feed(clean(decode(raw)))
+        number = numbers[0]
+        parts = self.assigner.feed(text)
         self.assigner.note_line_number(number)
         if index:
-            self.index.offsets.append(offset)
-            self.index.slots.append(parts[0].slot)
+            for offset in offsets:
+                self.index.offsets.append(offset)
+                self.index.slots.append(parts[0].slot)
         result.fragments += len(parts) - 1
         for part in parts:
             result.seq += 1
@@ -148,13 +164,16 @@ class LineScanner:
         stats = result.stats.get(parts[0].slot)
         if stats is None:
             stats = result.stats[parts[0].slot] = SlotStats()
-        stats.lines += 1
+        stats.lines += len(numbers)
         if stats.first_line is None:
             stats.first_line = (self.source.index, number)
-        self.lines = number
+        self.lines = numbers[-1]
         return parts[0].slot
 
     def close(self) -> None:
+        if self.joiner is not None:
+            for numbers, offsets, joined in self.joiner.flush():
+                self._logical(numbers, offsets, joined, True, True)
         result, assigner = self.result, self.assigner
         assigner.close()
         for block_id, (kind, slot) in assigner.blocks.items():

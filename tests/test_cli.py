@@ -113,3 +113,26 @@ def test_triage_test_takes_a_captured_log_with_its_sidecar():
     assert b"pass   failed launch_usage dist.pg_not_initialized rank=1" in out.stdout
     out = triage("test", LOG.parent.parent.parent / "README.md")
     assert out.returncode == 3 and b"log with one beside it" in out.stderr
+
+
+def test_thousands_of_ranks_of_alternating_kinds_share_a_row_per_kind():
+    # docs/research/gaps44.md S4: 4,096 ranks whose teardown and timeout rows alternate made a
+    # 2,780-line rank table; past 40 rows, every rank of a kind shares one row
+    from logtriage.report.model import RankRow, Report
+    from logtriage.report.text import render_text
+
+    def row(rank: int) -> RankRow:
+        if rank == 4093:
+            return RankRow(rank, 0, "", 14, "failed", "root", 6844, "x.log", "KeyError: 'target'", 2, None)
+        if rank % 3 == 0:
+            return RankRow(rank, 0, "", 2, "killed", "teardown", None, None, None, 2, None)
+        return RankRow(rank, 0, "", 20, "failed", "cascade", 8000 + rank, "x.log",
+                       f"RuntimeError: Connection closed by peer [127.0.0.1]:{20000 + rank}", 2, None)
+    report = Report(verdict="failed", root_cause=None, chain=(), findings=(), streams=(), input_lines=1,
+                    unattributed_lines=0, sources=("x.log",), ranks=tuple(row(r) for r in range(4096)), environment={})
+    table = render_text(report).split("Ranks\n", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    assert [line.split("  ")[1] for line in table] == [
+        "ranks 0, 3, 6, 9, … (1,366 ranks) killed", "ranks 1–2, 4–5, 7–8, 10–11, … (2,729 ranks) failed", "rank 4093"]
+    few = Report(verdict="failed", root_cause=None, chain=(), findings=(), streams=(), input_lines=1,
+                 unattributed_lines=0, sources=("x.log",), ranks=tuple(row(r) for r in range(8)), environment={})
+    assert "  ranks 1–2    failed" in render_text(few)   # few rows: consecutive ranks only, as before

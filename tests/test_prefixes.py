@@ -315,3 +315,20 @@ def test_local_ranks_that_are_not_global_ranks_are_scoped_only_where_the_log_sho
     # with host labels the host scopes them already
     hosts = Dialect.detect(["worker-1: [default3]:[rank7]: boom"] * 6)
     assert hosts.hosts and not hosts.local_scoped
+
+
+def test_a_hard_wrap_is_seen_only_where_the_longest_lines_are_many_and_different():
+    from logtriage.demux.wrapped import RowJoiner, wrap_width
+    log = open("sample_logs/cpu/rank_sigkill__np4.log", encoding="utf-8").read().splitlines()
+    rows = [line[i:i + 120] for line in log for i in range(0, len(line), 120)]
+    assert Dialect.detect(rows).wrap_width == 120 and Dialect.detect(rows).exact_only
+    assert Dialect.detect(log).wrap_width == 0
+    # ranks repeating one long line (same text, other numbers) are no wrap
+    same = [f"[rank{r}]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+            "Connection closed by peer" for r in range(4)] + ["step 1", "step 2"]
+    assert wrap_width(same) == 0
+    joiner = RowJoiner(10)
+    out = joiner.push(1, 0, "[rank1]: K") + joiner.push(2, 11, "eyError: 'target'") + joiner.push(3, 29, "[rank2]: s")
+    out += joiner.push(4, 40, "[rank3]: step 2") + joiner.flush()
+    assert out == [((1, 2), (0, 11), "[rank1]: KeyError: 'target'"), ((3,), (29,), "[rank2]: s"),
+                   ((4,), (40,), "[rank3]: step 2")]

@@ -1592,3 +1592,37 @@ def test_the_agents_sigterms_to_a_thousand_workers_are_all_counted_and_a_trimmed
     report = _report(tmp_path / "outside.log", log)
     assert {f["rank"] for f in report["findings"] if f["rule_id"] == "signal.sigterm_unsent"} == {3}
     assert (report["root_cause"]["rule_id"], report["root_cause"]["rank"]) == ("python.exception", 5)
+
+
+def _hard_wrapped(path: str, width: int) -> str:
+    """A log as a terminal `width` columns wide shows it, copied row by row (docs/research/gaps42.md,
+    the wrap80/wrap120 shapes; real ones: sample_logs/public29/deepspeedexamples964_*_hard_wrapped_lines)."""
+    rows = []
+    for line in open(path, encoding="utf-8").read().splitlines():
+        rows += [line[i:i + width] for i in range(0, len(line), width)] or [""]
+    return "\n".join(rows) + "\n"
+
+
+def test_a_hard_wrapped_paste_is_read_as_the_lines_the_program_printed(tmp_path):
+    # sample_logs/cpu/rank_sigkill__np4 (rank 3 SIGKILLed; the others' gloo errors follow). Cut at 120
+    # columns, rank 2's `RuntimeError: [...]/pair.cc:537] Read error [127.0.0.1]:219` kept half of its
+    # message and read as a bare exception; rejoined, it is a peer's consequence again
+    for width in (80, 120):
+        report = _report(tmp_path / f"wrap{width}.log", _hard_wrapped("sample_logs/cpu/rank_sigkill__np4.log", width))
+        rc = report["root_cause"]
+        assert (rc["rule_id"], rc["category"], rc["rank"]) == ("signal.sigkill", "crash_signal", 3)
+        rows = (tmp_path / f"wrap{width}.log").read_text().count("\n")
+        assert report["input_lines"] == rows == sum(s["lines"] for s in report["streams"])
+
+
+def test_an_agents_lost_rendezvous_is_the_root_only_before_the_workers_collectives_failed():
+    # sample_logs/cpu_adhoc/store_dies_np6_rall_srun2: node 0's agent (the store's host) SIGKILLed;
+    # node 1's agent loses the store, then node 0's orphaned workers lose their peers: the lost
+    # store came first and is the root
+    rc = triage(["sample_logs/cpu_adhoc/store_dies_np6_rall_srun2.log"]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["category"]) == ("dist.rendezvous_connection", "rendezvous")
+    # sample_logs/cpu_adhoc/barrier_sleep_np8_r7_tee_2n (each node's console a file): rank 7 slept past
+    # the barrier's timeout; node 0's workers timed out, its agent exited, and node 1's agent then
+    # lost the store: the timeouts came first and name rank 7
+    rc = triage(["sample_logs/cpu_adhoc/barrier_sleep_np8_r7_tee_2n"]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("gloo.timeout", "collective_timeout", 7)

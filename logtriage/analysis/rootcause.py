@@ -105,12 +105,28 @@ RENDEZVOUS_RULE = "dist.rendezvous_connection"
 def _after_store_lost(live: list[Finding]) -> list[Finding]:
     """An agent whose rendezvous keep-alive already failed (the store's host went away) then fails
     to shut the rendezvous down for the same reason: that later RendezvousConnectionError of the
-    launcher is the same loss, not a root of its own."""
+    launcher is the same loss, not a root of its own. Nor is an agent's lost rendezvous after
+    workers' collectives had failed (timed out, or lost a peer): the store's host, another node's
+    agent, went away with that failure (each node's console captured on its own). Before them, the
+    lost store is what the workers' lost peers follow from (the store's node died)."""
     lost = [f.seq for f in live if f.rule.id == KEEPALIVE_RULE]
-    if not lost:
+    # (a worker's own line, or its error file in its agent's summary)
+    failed = [f for f in live if f.rank is not None and f.category in _IN_COLLECTIVES]
+    if not lost and not failed:
         return live
-    return [f for f in live if not (f.rule.id == RENDEZVOUS_RULE and f.seq > min(lost)
-                                    and f.stream.kind is StreamKind.LAUNCHER)]
+    return [f for f in live if not (f.rule.id == RENDEZVOUS_RULE and f.stream.kind is StreamKind.LAUNCHER
+                                    and ((lost and f.seq > min(lost)) or any(_came_before(g, f) for g in failed)))]
+
+
+def _came_before(a: Finding, b: Finding) -> bool:
+    """By their stamps where both have comparable ones, else by input order."""
+    order = clearly_before(a.stamp, b.stamp)
+    if order is None:
+        order = None if clearly_before(b.stamp, a.stamp) else a.seq < b.seq
+    return bool(order)
+
+
+_IN_COLLECTIVES = frozenset({Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR})
 
 
 def _notice_of_own_exit(finding: Finding, either: list[Finding]) -> bool:

@@ -43,6 +43,7 @@ from functools import cached_property
 from typing import Iterable
 
 from logtriage.demux.around_paste import environment_report_span
+from logtriage.demux.wrapped import wrap_width
 
 _SRUN = re.compile(r"^ {0,6}(\d{1,7}): ")
 _COLLECTOR_STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:Z|[+-]\d\d:?\d\d):?[ \t]")
@@ -132,14 +133,16 @@ class Dialect:
     # a launcher's console: its agent's own lines, or several ranks' prefixes (a file named for a
     # node, `worker-1.log`, is not that rank's output)
     console: bool = False
+    wrap_width: int = 0        # a hard-wrapped paste: rows of this width continue on the next (demux/wrapped.py)
 
     @property
     def exact_only(self) -> bool:
         """Prefix layers the fast scan's compiled kernel does not parse: such a log takes the exact
         path (srun tasks as nodes, hosts, a console clock, pytest's `E`, quotes, a supervisor's tag, a
-        line-number gutter, a template's `[r5] ` label, local ranks that are not global ones)."""
+        line-number gutter, a template's `[r5] ` label, local ranks that are not global ones, hard-wrapped rows)."""
         return bool(self.srun_nodes or self.hosts or self.clock_stamped or self.pytest or self.quoted
-                    or self.wrapper_tag or self.gutter or self.bracket_label is not None or self.local_scoped)
+                    or self.wrapper_tag or self.gutter or self.bracket_label is not None or self.local_scoped
+                    or self.wrap_width)
 
     @cached_property
     def label_patterns(self) -> tuple[tuple[str, re.Pattern], ...]:
@@ -153,6 +156,7 @@ class Dialect:
     @classmethod
     def detect(cls, sample: Iterable[str]) -> "Dialect":
         lines = [line for line in sample if line.strip() and not _FENCE.match(line)]
+        wrapped = wrap_width(lines, srun=sum(1 for line in lines if _SRUN.match(line)) * 3 >= len(lines))
         span = environment_report_span(lines)
         if span is not None:
             lines = lines[:span[0]] + lines[span[1]:]
@@ -209,7 +213,7 @@ class Dialect:
                    hosts=chosen, srun_nodes=srun_nodes, indent=indent, gutter=gutter,
                    bracket_label=bracket_label,
                    local_scoped=not chosen and not srun_nodes and _locals_not_global(lines),
-                   console=_a_console(lines))
+                   console=_a_console(lines), wrap_width=wrapped)
 
 
 def _quoted(line: str, mark: str) -> bool:
@@ -306,19 +310,30 @@ def _tasks_are_nodes(lines: list[str]) -> bool:
 
 def _locals_not_global(lines: list[str]) -> bool:
     """Whether `--tee`'s local ranks are another node's: a `[default2]:[rank6]:` line, or a
-    launcher summary's `rank : 6 (local_rank: 2)` entry (one node's console pasted alone)."""
+    launcher summary's `rank : 6 (local_rank: 2)` entry (one node's console pasted alone). Not
+    where one local rank's lines keep switching between global ranks: several nodes interleaved in
+    one console without labels, which no console scope can tell apart."""
+    differs = False
+    last: dict[str, str] = {}
+    switches: Counter = Counter()
     for line in lines:
         if line[:1] == "[":
             m = _TEE.match(line)
             if m and m.group(1) != "rank":
                 r = _EXCEPTHOOK.match(line[m.end():])
-                if r and r.group(1) != m.group(2):
-                    return True
+                if r:
+                    local, rank = m.group(2), r.group(1)
+                    differs = differs or rank != local
+                    if last.setdefault(local, rank) != rank:
+                        last[local] = rank
+                        switches[local] += 1
+                        if switches[local] > 2:
+                            return False
         elif "local_rank" in line:
             m = _SUMMARY_RANK.match(line)
             if m and m.group(1) != m.group(2):
-                return True
-    return False
+                differs = True
+    return differs
 
 
 def _a_console(lines: list[str]) -> bool:

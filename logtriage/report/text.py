@@ -11,6 +11,7 @@ from logtriage.report.safe import terminal_safe, terminal_safe_document
 from logtriage.rank_ranges import ranges
 
 _MASK = re.compile(r"\d+")
+MAX_RANK_ROWS = 40    # rows of the rank table before ranks of a kind share one row
 WIDTH = 100
 
 
@@ -131,20 +132,37 @@ def _who(rank: int | None, ranks: tuple[int, ...]) -> str:
 
 
 def _collapsed(rows: tuple[RankRow, ...]):
-    """Consecutive ranks with the same status, role and (number-masked) first error share a row."""
+    """Consecutive ranks with the same status, role and (number-masked) first error share a row.
+    Where that still leaves more than MAX_RANK_ROWS rows (thousands of ranks whose kinds
+    alternate), every rank of a kind shares one, labelled by its ranges and count."""
     groups: list[list[RankRow]] = []
     for row in rows:
-        key = (row.status, row.role, row.attempt, _MASK.sub("#", row.first_error or ""))
+        key = _key(row)
         if groups and groups[-1][0].rank == row.rank - len(groups[-1]) and _key(groups[-1][0]) == key:
             groups[-1].append(row)
         else:
             groups.append([row])
+    if len(groups) > MAX_RANK_ROWS:
+        yield from _by_kind(rows)
+        return
     for group in groups:
         first = group[0]
         label = f"rank {first.rank}" if len(group) == 1 else f"ranks {first.rank}–{group[-1].rank}"
         if first.attempt:
             label += f" a{first.attempt}"
         yield label, first
+
+
+def _by_kind(rows: tuple[RankRow, ...]):
+    kinds: dict[tuple, list[RankRow]] = {}
+    for row in rows:
+        kinds.setdefault(_key(row), []).append(row)
+    for group in sorted(kinds.values(), key=lambda g: (g[0].rank, g[0].attempt)):
+        ranks = [row.rank for row in group]
+        label = f"rank {ranks[0]}" if len(group) == 1 else f"ranks {ranges(ranks, limit=4)} ({len(group):,} ranks)"
+        if group[0].attempt:
+            label += f" a{group[0].attempt}"
+        yield label, group[0]
 
 
 def _key(row: RankRow):
