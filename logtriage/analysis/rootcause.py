@@ -121,9 +121,7 @@ def _after_store_lost(live: list[Finding]) -> list[Finding]:
 def _came_before(a: Finding, b: Finding) -> bool:
     """By their stamps where both have comparable ones, else by input order."""
     order = clearly_before(a.stamp, b.stamp)
-    if order is None:
-        order = None if clearly_before(b.stamp, a.stamp) else a.seq < b.seq
-    return bool(order)
+    return a.seq < b.seq if order is None else order
 
 
 _IN_COLLECTIVES = frozenset({Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR})

@@ -339,12 +339,12 @@ def _locals_not_global(lines: list[str]) -> bool:
 def _a_console(lines: list[str]) -> bool:
     """Whether the sample is a launcher's console: an agent's own line, or prefixes (--tee's local
     rank, the excepthook's global one) naming two ranks or more."""
-    ranks: set[tuple[str, str]] = set()
+    ranks: set[str] = set()
     for line in lines:
         if line[:1] == "[":
             m = _EXCEPTHOOK.match(line) or _TEE.match(line)
             if m:
-                ranks.add((m.group(0)[:2], m.group(m.lastindex)))
+                ranks.add(m.group(m.lastindex))
                 if len(ranks) >= 2:
                     return True
         elif _AGENT_LINE.match(line):
