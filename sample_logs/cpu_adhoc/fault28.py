@@ -22,7 +22,7 @@ Faults (--rank N: the rank at fault in attempt 0; --rank2 M: the rank at fault i
                   is SIGKILLed at step 3; later attempts resume: rank N's torch.load raises FileNotFoundError
   resume_trunc    attempt 0: every rank saves at step 3, rank N writes half its file and is SIGKILLed (killed
                   mid-write); later attempts resume: rank N's torch.load fails on the cut zip archive
-  kill_then_exc   attempt 0: rank N SIGKILLs (--sig kill) or SIGSEGVs (--sig segv) itself at step 3; later attempts:
+  kill_then_exc   attempt 0: rank N SIGKILLs (--crash kill) or SIGSEGVs (--crash segv) itself at step 3; later attempts:
                   rank M's step-3 batch has a field 'n/a' (ValueError: could not convert string to float: 'n/a')
   startup_import  every attempt, before init_process_group: rank N (the metrics rank) imports wandb, not installed
   startup_env     every attempt, before init_process_group: the rank reads its loader worker count from
@@ -38,7 +38,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--fault", required=True)
 p.add_argument("--rank", type=int, default=2)
 p.add_argument("--rank2", type=int, default=-1)
-p.add_argument("--sig", choices=["kill", "segv"], default="kill")
+p.add_argument("--crash", choices=["kill", "segv"], default="kill")
 p.add_argument("--steps", type=int, default=5)
 p.add_argument("--pg-timeout", type=int, default=15)
 p.add_argument("--ckdir", default="/tmp/fault28_ckpt")
@@ -146,7 +146,7 @@ def main() -> None:
         if step == 3 and a.fault == "resume_missing" and bad == "first":
             os.kill(os.getpid(), signal.SIGKILL)
         if step == 3 and a.fault == "kill_then_exc" and bad == "first":
-            os.kill(os.getpid(), signal.SIGKILL if a.sig == "kill" else signal.SIGSEGV)
+            os.kill(os.getpid(), signal.SIGKILL if a.crash == "kill" else signal.SIGSEGV)
         if step == 3 and a.fault == "hang_after_exc" and bad == "later":
             say(rank, "waiting for the shared-storage lock before writing shard stats")
             time.sleep(3 * a.pg_timeout)
