@@ -1626,3 +1626,18 @@ def test_an_agents_lost_rendezvous_is_the_root_only_before_the_workers_collectiv
     # lost the store: the timeouts came first and name rank 7
     rc = triage(["sample_logs/cpu_adhoc/barrier_sleep_np8_r7_tee_2n"]).to_dict()["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("gloo.timeout", "collective_timeout", 7)
+
+
+def test_after_restarts_the_last_attempts_own_failure_is_the_root():
+    # sample_logs/cpu_adhoc/resume_size_np4_r2_plain (torchrun --max-restarts 1, its INFO lines off):
+    # attempt 0, rank 2's KeyError; attempt 1 resumed and rank 2's checkpoint held another size.
+    # The one agent's two `failed (exitcode: 1)` lines mark the restart; the run died of the resume
+    report = triage(["sample_logs/cpu_adhoc/resume_size_np4_r2_plain.log"]).to_dict()
+    rc = report["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("ckpt.size_mismatch", "checkpoint", 2)
+    assert {(r["rank"], r["attempt"]) for r in report["ranks"]} >= {(2, 0), (2, 1)}
+    # sample_logs/cpu_adhoc/once_key_np6_r5_redirects (a --log-dir folder, its console beside it):
+    # attempt 0's KeyError, then every rank of attempt 1 finished: the job succeeded
+    folder = "sample_logs/cpu_adhoc/once_key_np6_r5_redirects"
+    report = triage([folder, folder + ".console.log"]).to_dict()
+    assert report["verdict"] == "ok" and report["root_cause"] is None

@@ -33,10 +33,15 @@ def restarted_then_finished(root: RootCause, findings: list[Finding], failures: 
         return None
     if any(f.rule.id == "launcher.child_failed" for f in findings):
         return None
+    # a later attempt's output, or the agent's report of the failure (the root itself, or after it)
+    # with no ChildFailedError, and the run finished after it
     restarted = max(attempts, default=0) > root.finding.stream.attempt or any(
-        f.stream.kind is StreamKind.LAUNCHER and after < f.seq < finish.seq and _agent_saw_fail(f.text)
+        f.stream.kind is StreamKind.LAUNCHER and after <= f.seq < finish.seq and _agent_saw_fail(f.text)
         for f in findings)
-    later_error = any(f.seq > finish.seq and f.is_error and not f.is_teardown for f in findings)
+    # (the agent's report of the failure it restarted from is no later error, wherever its console
+    # stands among the inputs: a `--log-dir` folder's files are read before the console beside it)
+    later_error = any(f.seq > finish.seq and f.is_error and not f.is_teardown
+                      and not (f.stream.kind is StreamKind.LAUNCHER and _agent_saw_fail(f.text)) for f in findings)
     return finish if restarted and not later_error else None
 
 

@@ -37,6 +37,7 @@ RERAISE_REACH = 200   # input lines after the re-raise within which its original
 def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
     live = _after_store_lost(_without_reraise_wrappers(_not_recovered(
         [f for f in findings if f.is_error and not f.is_teardown], findings)))
+    live = _final_attempt(live)
     roots = [f for f in live if f.role is Role.ROOT_CANDIDATE and not _reports_death_after_own_error(f, live)]
     if roots:
         before = _errors_before_stop(roots, live)
@@ -100,6 +101,26 @@ def _in_original_traceback(finding: Finding) -> bool:
 
 KEEPALIVE_RULE = "dist.rendezvous_keepalive_lost"
 RENDEZVOUS_RULE = "dist.rendezvous_connection"
+
+
+def _final_attempt(live: list[Finding]) -> list[Finding]:
+    """After `--max-restarts`, the errors of the last attempt that failed of its own accord: the
+    failure the run ended on (an earlier attempt's, which torchrun restarted the workers from, is
+    in the chain), without the launcher's reports from before it; a stall (its timeouts) counts.
+    An attempt whose workers only lost their peers, or could not form the group again (gloo's connectFullMesh refused: the
+    restarted workers read the last attempt's addresses from the agent's store), failed of the
+    earlier attempt's failure."""
+    own = [f for f in live if f.stream.kind is StreamKind.RANK and f.rule.id not in _RESTART_ECHOES
+           and (f.role is not Role.CASCADE_CANDIDATE or f.category is Category.COLLECTIVE_TIMEOUT)]
+    last = max((f.stream.attempt for f in own), default=0)
+    if not last:
+        return live
+    begun = min(f.seq for f in own if f.stream.attempt == last)
+    return [f for f in live if (f.stream.attempt == last if f.stream.kind is StreamKind.RANK
+                                else f.seq >= begun or f.stream.kind is not StreamKind.LAUNCHER)]
+
+
+_RESTART_ECHOES = frozenset({"gloo.connect_full_mesh"})
 
 
 def _after_store_lost(live: list[Finding]) -> list[Finding]:

@@ -79,6 +79,7 @@ class LauncherFacts:
     console: int = 0
     _console_summarised: bool = False
     _pending_cfe_rank: int | None = None
+    _failed_agents: set[int] = field(default_factory=set)   # agents' pids seen in `failed (exitcode ...)` lines
 
     @property
     def segment(self) -> int:
@@ -90,6 +91,11 @@ class LauncherFacts:
         if m:
             self.pid_local_rank[int(m.group(3))] = int(m.group(2))
             self.failed_lines += 1
+            agent = PY_GLOG.match(text)
+            if agent:   # one agent failing twice restarted its workers in between (its INFO lines may be off)
+                pid = int(agent.group(4))
+                self.restart_marked = self.restart_marked or pid in self._failed_agents
+                self._failed_agents.add(pid)
             return
         m = SENDING.search(text) or TERMINATING.search(text)
         if m:
