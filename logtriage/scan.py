@@ -124,7 +124,7 @@ class LineScanner:
         self.result, self.source, self.index, self.matcher = result, source, index, matcher
         # a file named for a rank or a worker (`worker-1.log`) that holds a launcher's console is a
         # node's: its lines name their own ranks, the agent's lines none
-        self.rank_hint = None if dialect.console else source.rank_hint
+        self.rank_hint = None if dialect.agent_console else source.rank_hint
         self.assigner = Assigner(result.slots, result.facts, dialect, self.rank_hint, source.attempt_hint)
         result.multi_node = result.multi_node or bool(dialect.hosts) or dialect.srun_nodes
         result.srun_tasks_are_nodes = result.srun_tasks_are_nodes or dialect.srun_nodes
@@ -132,7 +132,7 @@ class LineScanner:
         self.probe_slot = result.slots.fixed(StreamKind.PROBE)
         self.banner_slot = result.slots.fixed(StreamKind.BANNER)
         self.lines = 0
-        self.joiner = RowJoiner(dialect.wrap_width, dialect.srun) if dialect.wrap_width else None
+        self.joiner = RowJoiner(dialect.wrap_width, dialect.labelled) if dialect.wrap_width else None
 
     def line(self, number: int, offset: int, raw: bytes, may_match: bool = True, index: bool = True) -> int:
         """Process one physical line; returns the slot of its first part. `may_match=False`: the

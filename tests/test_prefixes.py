@@ -326,8 +326,8 @@ def test_a_hard_wrap_is_seen_only_where_the_longest_lines_are_many_and_different
     # ranks repeating one long line (same text, other numbers) are no wrap
     same = [f"[rank{r}]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] "
             "Connection closed by peer" for r in range(4)] + ["step 1", "step 2"]
-    assert wrap_width(same) == 0
-    joiner = RowJoiner(10)
+    assert wrap_width(same, Dialect().labelled) == 0
+    joiner = RowJoiner(10, Dialect().labelled)
     out = joiner.push(1, 0, "[rank1]: K") + joiner.push(2, 11, "eyError: 'target'") + joiner.push(3, 29, "[rank2]: s")
     out += joiner.push(4, 40, "[rank3]: step 2") + joiner.flush()
     assert out == [((1, 2), (0, 11), "[rank1]: KeyError: 'target'"), ((3,), (29,), "[rank2]: s"),

@@ -199,7 +199,8 @@ def unsent_sigterms(findings: list[Finding], catalog: Catalog, stopped: frozense
         return findings
     sent = {int(f.captures["pid"]) for f in findings if f.rule.id == TEARDOWN_RULE
             and f.captures.get("signal") == "SIGTERM" and f.captures.get("pid", "").isdigit()}
-    sent |= stopped if sent else frozenset()
+    if sent:   # the log shows the launcher's SIGTERMs: all it named count
+        sent |= stopped
     unsent = {i for i, f in enumerate(findings) if sent and f.rule.id == SIGTERM_RULE
               and f.captures.get("pid", "").isdigit() and int(f.captures["pid"]) not in sent}
     if len({findings[i].captures["pid"] for i in unsent}) > max(1, len(sent)):

@@ -43,6 +43,7 @@ from functools import cached_property
 from typing import Iterable
 
 from logtriage.demux.around_paste import environment_report_span
+from logtriage.demux.launcher import CFE_RANK
 from logtriage.demux.wrapped import wrap_width
 
 _SRUN = re.compile(r"^ {0,6}(\d{1,7}): ")
@@ -82,7 +83,6 @@ _STREAM_TAG = re.compile(r"^\[std(?:out|err)\] ?")
 _TEE = re.compile(r"^\[([A-Za-z_][A-Za-z_-]*?)(\d{1,7})\]:")
 _TEE_HOST = re.compile(r"^\[([A-Za-z0-9][A-Za-z0-9_.-]*):(\d{1,7})\]:")
 _EXCEPTHOOK = re.compile(r"^\[rank(\d{1,12})\]:(?: |(?=\[)|$)")
-_SUMMARY_RANK = re.compile(r"^\s*rank\s*: (\d{1,12}) \(local_rank: (\d{1,12})\)")   # a ChildFailedError entry's
 _TEMPLATE = re.compile(r"^\[([^\[\]\n]{1,120})\]:? ")
 # (a field of its own: `rank=1`, `rank 1`, `rank1`, or `r1` as in `[${role_name}|r${rank}] `)
 _TEMPLATE_RANK = re.compile(r"(?:^|[|,;\s])(?:global_)?(?:rank|r)[=:\s]?(\d{1,12})(?:$|[|,;\s/])", re.IGNORECASE)
@@ -132,7 +132,7 @@ class Dialect:
     local_scoped: bool = False
     # a launcher's console: its agent's own lines, or several ranks' prefixes (a file named for a
     # node, `worker-1.log`, is not that rank's output)
-    console: bool = False
+    agent_console: bool = False
     wrap_width: int = 0        # a hard-wrapped paste: rows of this width continue on the next (demux/wrapped.py)
 
     @property
@@ -143,6 +143,10 @@ class Dialect:
         return bool(self.srun_nodes or self.hosts or self.clock_stamped or self.pytest or self.quoted
                     or self.wrapper_tag or self.gutter or self.bracket_label is not None or self.local_scoped
                     or self.wrap_width)
+
+    def labelled(self, row: str) -> bool:
+        """Whether a row starts with a label this log's lines carry (a hard wrap's next row does not)."""
+        return labelled(row, self.srun)
 
     @cached_property
     def label_patterns(self) -> tuple[tuple[str, re.Pattern], ...]:
@@ -156,7 +160,8 @@ class Dialect:
     @classmethod
     def detect(cls, sample: Iterable[str]) -> "Dialect":
         lines = [line for line in sample if line.strip() and not _FENCE.match(line)]
-        wrapped = wrap_width(lines, srun=sum(1 for line in lines if _SRUN.match(line)) * 3 >= len(lines))
+        srun_labels = sum(1 for line in lines if _SRUN.match(line)) * 3 >= len(lines)
+        wrapped = wrap_width(lines, lambda row: labelled(row, srun_labels))
         span = environment_report_span(lines)
         if span is not None:
             lines = lines[:span[0]] + lines[span[1]:]
@@ -213,7 +218,13 @@ class Dialect:
                    hosts=chosen, srun_nodes=srun_nodes, indent=indent, gutter=gutter,
                    bracket_label=bracket_label,
                    local_scoped=not chosen and not srun_nodes and _locals_not_global(lines),
-                   console=_a_console(lines), wrap_width=wrapped)
+                   agent_console=_a_console(lines), wrap_width=wrapped)
+
+
+def labelled(row: str, srun: bool) -> bool:
+    """Whether a row starts with a rank's, a tee's, Open MPI's or (where the log uses them) srun's label."""
+    return bool(_TEE.match(row) or _TEE_HOST.match(row) or _EXCEPTHOOK.match(row) or _MPI.match(row)
+                or (srun and _SRUN.match(row)))
 
 
 def _quoted(line: str, mark: str) -> bool:
@@ -330,7 +341,7 @@ def _locals_not_global(lines: list[str]) -> bool:
                         if switches[local] > 2:
                             return False
         elif "local_rank" in line:
-            m = _SUMMARY_RANK.match(line)
+            m = CFE_RANK.match(line)
             if m and m.group(1) != m.group(2):
                 differs = True
     return differs
