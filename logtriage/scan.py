@@ -126,7 +126,7 @@ class LineScanner:
         # node's: its lines name their own ranks, the agent's lines none
         self.rank_hint = None if dialect.agent_console else source.rank_hint
         self.assigner = Assigner(result.slots, result.facts, dialect, self.rank_hint, source.attempt_hint)
-        result.multi_node = result.multi_node or bool(dialect.hosts) or dialect.srun_nodes
+        result.multi_node = result.multi_node or bool(dialect.hosts) or dialect.pods or dialect.srun_nodes
         result.srun_tasks_are_nodes = result.srun_tasks_are_nodes or dialect.srun_nodes
         self.launcher_slot = result.slots.fixed(StreamKind.LAUNCHER)
         self.probe_slot = result.slots.fixed(StreamKind.PROBE)

@@ -15,11 +15,16 @@ PLAIN = Dialect()
     ("[rank0]:[I1130 00:01:08.161225451 reducer.cpp:132] Reducer initialized", 0, None,
      "[I1130 00:01:08.161225451 reducer.cpp:132] Reducer initialized"),                    # C++ log rank
     ("[default1]:[rank1]: Traceback (most recent call last):", 1, 1, "Traceback (most recent call last):"),
-    ("[trainer0]:[rank 0] step 1 loss 0.1842", None, 0, "[rank 0] step 1 loss 0.1842"),   # --role trainer
+    ("[trainer0]:[rank 0] step 1 loss 0.1842", 0, 0, "step 1 loss 0.1842"),   # --role trainer, a script's label
     ("[rank0]:NotImplementedError: x", None, 0, "NotImplementedError: x"),                  # --role rank (torchtitan)
     ("[RANK 1] 2026-05-19 10:10:29,701 [ERROR] GPU circuit breaker OPEN", 1, None,          # SimpleTuner's label
      "2026-05-19 10:10:29,701 [ERROR] GPU circuit breaker OPEN"),
     ("[rank0]:[rank0]: Traceback (most recent call last):", 0, None, "Traceback (most recent call last):"),
+    # a logging format's own rank label in front of each record
+    ("[rank=2] KeyError: 'labels'", 2, None, "KeyError: 'labels'"),
+    ("[rank: 1] Seed set to 42", 1, None, "Seed set to 42"),
+    ("[Rank 3]   File \"train.py\", line 10, in <module>", 3, None, "  File \"train.py\", line 10, in <module>"),
+    ("[rank=1|local=1] step 3", 1, 1, "step 3"),
     ("[gpu187:2]:RuntimeError: CUDA error", None, 2, "RuntimeError: CUDA error"),           # role with host
     ("[default|rank=1|local=1] [rank1]: Traceback (most recent call last):", 1, 1,
      "Traceback (most recent call last):"),                                                 # prefix template
@@ -29,6 +34,8 @@ PLAIN = Dialect()
     ("[1,3]<stdout>:step 5 loss 2.1", 3, None, "step 5 loss 2.1"),                          # OpenMPI --tag-output
     ("[0]<stderr>:Killed", 0, None, "Killed"),       # horovodrun's gloo launcher (horovod/horovod#2907)
     ("[1,12]<stderr>:Traceback (most recent call last):", 12, None, "Traceback (most recent call last):"),
+    # SageMaker's mpirun (aws/sagemaker-training-toolkit's test_process.py; huggingface/notebooks' sagemaker logs)
+    ("[1,mpirank:10,algo-2]<stderr>:KeyError: 'labels'", 10, None, "KeyError: 'labels'"),
     ("[rank1]:", 1, None, ""),                                                              # only a prefix
     ("[rank0]:[rank0]: RuntimeError: Missing key", 0, None, "RuntimeError: Missing key"),   # doubled (torch 2.6)
     # Ray's log monitor (hiyouga/EasyR1#228; Ray Train's worker form with its node address)
@@ -332,3 +339,14 @@ def test_a_hard_wrap_is_seen_only_where_the_longest_lines_are_many_and_different
     out += joiner.push(4, 40, "[rank3]: step 2") + joiner.flush()
     assert out == [((1, 2), (0, 11), "[rank1]: KeyError: 'target'"), ((3,), (29,), "[rank2]: s"),
                    ((4,), (40,), "[rank3]: step 2")]
+
+
+def test_kubectl_prefix_names_the_pod_as_a_node():
+    # `kubectl logs -l job=train --prefix` (kubectl >= 1.17): `[pod/<pod>/<container>] ` on every line
+    sample = [f"[pod/train-worker-{n}/pytorch] [default{r}]:step 1 loss 0.5" for n in range(2) for r in range(4)]
+    dialect = Dialect.detect(sample)
+    assert dialect.pods and not dialect.local_scoped
+    p = strip_prefixes("[pod/train-worker-1/pytorch] [default2]:KeyError: 'labels'", dialect)
+    assert (p.host, p.local_rank, p.rank, p.text) == ("train-worker-1", 2, None, "KeyError: 'labels'")
+    # one pod alone is a wrapper's tag, as before
+    assert not Dialect.detect(["[pod/train-0/pytorch] step 1"] * 5).pods

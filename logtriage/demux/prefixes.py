@@ -17,7 +17,8 @@
                                                    when the log shows it on two lines or more)
     srun --label        `3: `                     (the task: a rank, or a node when each task runs torchrun;
                                                    only when the log uses it widely)
-    OpenMPI tag-output  `[1,3]<stdout>:`          (global rank; horovodrun's gloo launcher: `[3]<stdout>:`)
+    OpenMPI tag-output  `[1,3]<stdout>:`          (global rank; horovodrun's gloo launcher: `[3]<stdout>:`;
+                                                   SageMaker's `[1,mpirank:3,algo-1]<stdout>:`)
     pdsh / DeepSpeed    `worker-3: `              (host; only for hosts the log uses widely)
     Ray log monitor     `(RayTrainWorker pid=1234, ip=10.0.0.5) `   (a Ray worker process; no rank)
                         vLLM's `(VllmWorker rank=0 pid=10672) `     (a vLLM worker: its rank)
@@ -63,11 +64,15 @@ _QUOTE_MARKS = (">", "#")   # `#` only before a blank or the line's end: gdb's `
 # a supervisor's constant tag in front of its child's output (`[TRAINING] [rank0]: ...`): a word, no digits
 # (or `kubectl logs --prefix`'s `[pod/<pod>/<container>] `)
 _WRAPPER_TAG = re.compile(r"^\[([A-Za-z][A-Za-z_ .-]{1,30}|pod/[\w.-]{1,253}/[\w.-]{1,63})\] ")
+# `kubectl logs --prefix` over several pods (a PyTorchJob's master and workers): `[pod/<pod>/<container>] `;
+# the pod is a node (one torchrun each), its container's lines keep their own rank labels after it
+_KUBECTL = re.compile(r"^\[pod/([A-Za-z0-9][\w.-]{0,252})/[\w.-]{1,63}\] ")
 _NOT_TAGS = frozenset("info warn warning error err debug critical fatal trace notice stdout stderr".split())
 _PYTEST_E = re.compile(r"^E {3}(?: {4})?")
 _PYTEST_EXCEPTION = re.compile(r"^E {3}(?: {4})?(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): ")
-# Open MPI's `[job,rank]<stderr>:`; horovodrun's own (gloo) launcher writes `[rank]<stderr>:`
-_MPI = re.compile(r"^\[(?:(\d{1,9}),)?(\d{1,12})\]<(?:stdout|stderr|stddiag)>: ?")
+# Open MPI's `[job,rank]<stderr>:`; horovodrun's own (gloo) launcher writes `[rank]<stderr>:`; SageMaker's
+# mpirun names the rank and the host: `[1,mpirank:5,algo-2]<stderr>:` (aws/sagemaker-training-toolkit)
+_MPI = re.compile(r"^\[(?:(\d{1,9}),)?(?:mpirank:)?(\d{1,12})(?:,[\w.-]{1,64})?\]<(?:stdout|stderr|stddiag)>: ?")
 _HOST = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62}): ")
 # a Ray worker `(RayTrainWorker pid=1234, ip=...)`, a vLLM worker `(VllmWorker rank=0 pid=10672)`, and
 # newer vLLM's `(VllmWorker TP1 pid=N)` and `(Worker_TP1 pid=N)` (its tensor-parallel rank: the rank
@@ -86,8 +91,9 @@ _EXCEPTHOOK = re.compile(r"^\[rank(\d{1,12})\]:(?: |(?=\[)|$)")
 _TEMPLATE = re.compile(r"^\[([^\[\]\n]{1,120})\]:? ")
 # (a field of its own: `rank=1`, `rank 1`, `rank1`, or `r1` as in `[${role_name}|r${rank}] `)
 _TEMPLATE_RANK = re.compile(r"(?:^|[|,;\s])(?:global_)?(?:rank|r)[=:\s]?(\d{1,12})(?:$|[|,;\s/])", re.IGNORECASE)
-# a trainer's own upper-case rank label on every line it writes (SimpleTuner: `[RANK 1] 2026-05-19 ...`)
-_RANK_LABEL = re.compile(r"^\[RANK (\d{1,9})\] ")
+# a trainer's own rank label in front of the lines it writes (SimpleTuner: `[RANK 1] 2026-05-19 ...`; a
+# logging format's `[rank=2] `, `[rank: 2] `, `[Rank 2] `); torch's excepthook `[rank2]:` is not this
+_RANK_LABEL = re.compile(r"^\[rank(?:[=:] ?| )(\d{1,9})\]:? ", re.IGNORECASE)
 # a line-prefix template's own label (`TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[r${rank}] '`): one short
 # word (or none) and the rank; global for `r`/`rank` or no word, else the role's local rank, as --tee's
 _BRACKET_LABEL = re.compile(r"^\[([A-Za-z_]{0,12})(\d{1,7})\] ")
@@ -122,6 +128,7 @@ class Dialect:
     quoted: bool = False       # every line starts with a Markdown quote's `> ` (or `quote_mark`)
     quote_mark: str = ">"      # `#`: the log was pasted as comments
     wrapper_tag: str = ""      # most lines start with this supervisor's `[TAG] `
+    pods: bool = False         # lines start with `kubectl logs --prefix`'s `[pod/<pod>/<container>] ` (a node)
     srun_nodes: bool = False   # srun tasks are nodes (one torchrun each), not ranks
     hosts: frozenset[str] = field(default_factory=frozenset)
     indent: int = 0            # blanks in front of every line: a paste indented as a code block (or by tabs)
@@ -141,7 +148,7 @@ class Dialect:
         path (srun tasks as nodes, hosts, a console clock, pytest's `E`, quotes, a supervisor's tag, a
         line-number gutter, a template's `[r5] ` label, local ranks that are not global ones, hard-wrapped rows)."""
         return bool(self.srun_nodes or self.hosts or self.clock_stamped or self.pytest or self.quoted
-                    or self.wrapper_tag or self.gutter or self.bracket_label is not None or self.local_scoped
+                    or self.wrapper_tag or self.pods or self.gutter or self.bracket_label is not None or self.local_scoped
                     or self.wrap_width)
 
     def labelled(self, row: str) -> bool:
@@ -152,7 +159,7 @@ class Dialect:
     def label_patterns(self) -> tuple[tuple[str, re.Pattern], ...]:
         """The per-line labels this log uses, outermost first (decided once, read for every line)."""
         used = (("gutter", _GUTTER, self.gutter), ("stamp", _COLLECTOR_STAMP, self.stamped), ("stamp", _CLOCK_STAMP, self.clock_stamped),
-                ("tag", _WRAPPER_TAG, bool(self.wrapper_tag)),
+                ("tag", _WRAPPER_TAG, bool(self.wrapper_tag)), ("pod", _KUBECTL, self.pods),
                 ("pytest", _PYTEST_E, self.pytest), ("srun", _SRUN, self.srun), ("mpi", _MPI, True),
                 ("host", _HOST, bool(self.hosts)))
         return tuple((layer, pattern) for layer, pattern, on in used if on)
@@ -189,6 +196,9 @@ class Dialect:
         wrapper_tag = _wrapper_tag(lines)
         if wrapper_tag:
             lines = [line.removeprefix(f"[{wrapper_tag}] ") for line in lines]
+        pods = not wrapper_tag and sum(1 for line in lines if _KUBECTL.match(line)) * 3 >= len(lines) * 2
+        if pods:
+            lines = [_KUBECTL.sub("", line, count=1) for line in lines]
         pytest_lines = [line for line in lines if _PYTEST_E.match(line)]
         # two report lines, or one that holds an exception (`E       RuntimeError: ...`)
         pytest = len(pytest_lines) >= 2 or any(_PYTEST_EXCEPTION.match(line) for line in pytest_lines)
@@ -214,10 +224,10 @@ class Dialect:
         srun_nodes = srun and _tasks_are_nodes(lines)
         return cls(srun=srun, stamped=stamped, clock_stamped=clock_stamped, pytest=pytest, quoted=quoted,
                    quote_mark=quote_mark,
-                   wrapper_tag=wrapper_tag,
+                   wrapper_tag=wrapper_tag, pods=pods,
                    hosts=chosen, srun_nodes=srun_nodes, indent=indent, gutter=gutter,
                    bracket_label=bracket_label,
-                   local_scoped=not chosen and not srun_nodes and _locals_not_global(lines),
+                   local_scoped=not chosen and not pods and not srun_nodes and _locals_not_global(lines),
                    agent_console=_a_console(lines), wrap_width=wrapped)
 
 
@@ -420,7 +430,7 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
             rank = int(m.group(1))
         elif layer == "mpi":
             rank = int(m.group(2))
-        elif layer == "host":
+        elif layer in ("host", "pod"):
             host = m.group(1)
     layers = [layer for layer, _ in labels]
     m = _RAY.match(text) if text[:1] == "(" else None
@@ -456,7 +466,7 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
             local, text = int(m.group(2)), text[m.end():]
             layers.append("tee")
     m = _TEMPLATE.match(text)
-    if m and not text.startswith("[rank"):
+    if m and not _EXCEPTHOOK.match(text):
         inner = m.group(1)
         r = _TEMPLATE_RANK.search(inner)
         if r and ("|" in inner or "=" in inner):
@@ -465,7 +475,7 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
             if lm:
                 local = int(lm.group(1))
             layers.append("template")
-    m = _RANK_LABEL.match(text) if text.startswith("[RANK ") else None
+    m = _RANK_LABEL.match(text) if text[:5] in ("[RANK", "[rank", "[Rank") else None
     if m and rank is None:
         rank, text = int(m.group(1)), text[m.end():]
         layers.append("template")
