@@ -28,6 +28,9 @@ and the script handles it as --fault says:
                     (every rank's loss is NaN after the all-reduce); at step 5 the rank's batch has 7 features
   memerr_retry      rank's step-3 prefetch buffer raises MemoryError; caught, retried with half the batch, which then
                     fails: ValueError Expected input batch_size (8) to match target batch_size (16)
+
+v2 adds --end-barrier: every rank waits in dist.barrier() after the loop (so a rank that skipped or left the loop
+waits there, alive, instead of exiting). Without it the script runs exactly as v1.
 """
 import argparse, atexit, datetime, json, logging, math, os, signal, sys, time, traceback, warnings
 import torch, torch.distributed as dist
@@ -44,6 +47,7 @@ p.add_argument("--metrics", choices=["json", "text"], default="json")
 p.add_argument("--steps", type=int, default=6)
 p.add_argument("--pg-timeout", type=int, default=15)
 p.add_argument("--ckpt-dir", default="/mnt/ckpt/emergency")
+p.add_argument("--end-barrier", action="store_true", help="(v2) every rank waits in dist.barrier() after the loop")
 a = p.parse_args()
 BATCH = 16
 RANK = int(os.environ["RANK"])
@@ -217,6 +221,9 @@ def main() -> int:
         if a.fault == "finally_barrier":
             log.info("waiting for all ranks before exit")
             dist.barrier()
+    if a.end_barrier:
+        log.info("waiting for all ranks at the end of training")
+        dist.barrier()
     log.info("training finished")
     if dist.is_initialized():
         dist.destroy_process_group()
