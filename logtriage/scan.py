@@ -96,6 +96,7 @@ class ScanResult:
     block_cause_frames: dict[int, str] = field(default_factory=dict)   # a chain's first exception's frame
     block_cause_files: dict[int, str] = field(default_factory=dict)    # that frame's file
     block_exception_lines: dict[int, tuple[int, int]] = field(default_factory=dict)  # -> (source, line)
+    block_handling_lines: dict[int, int] = field(default_factory=dict)   # its "During handling ..." line
     indexes: list[SourceIndex] = field(default_factory=list)
     input_lines: int = 0
     fragments: int = 0
@@ -188,6 +189,7 @@ class LineScanner:
         result.block_broadcast_sources.update(tracebacks.broadcast_sources)
         result.block_cause_frames.update(tracebacks.cause_frames)
         result.block_cause_files.update(tracebacks.cause_files)
+        result.block_handling_lines.update(tracebacks.handling_lines)
         for block_id, line in tracebacks.exception_lines.items():
             result.block_exception_lines[block_id] = (self.source.index, line)
         result.input_lines += self.lines

@@ -132,6 +132,16 @@ def test_tqdm_redraws_keep_the_last_state_and_the_error_after_them(tmp_path):
     assert clean("a\rb\rc") == "c" and clean("step 3\r\n") == "step 3" and clean("\r\r") == ""
 
 
+def test_a_record_glued_after_a_labelled_bar_keeps_its_label():
+    # pdsh's label, then tqdm's redraws, then a logging record written without a newline between
+    # (sample_logs/cpu_adhoc/logerr_osexit_np8_r0_pdsh2, line 66)
+    line = ("worker-0: \rrank 0 train:   0%|          | 0/6 [00:00<?, ?it/s]\rrank 0 train:  33%|###       | "
+            "2/6 [00:00<00:00,  4.29it/s]2026-12-02 11:56:04,758 - trainer - ERROR - [rank 0] step failed: 'y'")
+    assert clean(line) == "worker-0: 2026-12-02 11:56:04,758 - trainer - ERROR - [rank 0] step failed: 'y'"
+    assert clean("worker-0: \r 17%|#  | 1/6 [00:00<00:01,  4.1it/s]\r 33%|## | 2/6 [00:00<00:00,  4.2it/s]") \
+        == "worker-0:  33%|## | 2/6 [00:00<00:00,  4.2it/s]"
+
+
 def test_lone_cr_line_ends_make_one_physical_line(tmp_path):
     """Old-Mac line ends: a line is what ends in \\n, so the whole file is one line whose last
     redraw state is what rules see (documented limit)."""

@@ -350,3 +350,22 @@ def test_kubectl_prefix_names_the_pod_as_a_node():
     assert (p.host, p.local_rank, p.rank, p.text) == ("train-worker-1", 2, None, "KeyError: 'labels'")
     # one pod alone is a wrapper's tag, as before
     assert not Dialect.detect(["[pod/train-0/pytorch] step 1"] * 5).pods
+
+
+def test_rich_logging_layout_reads_from_the_level_and_drops_the_gutter():
+    # rich's RichHandler under --tee 3 (sample_logs/cpu_adhoc/logexc_exit_np6_r0_tee): time and level
+    # columns, the caller's path at the right, wrapped rows under a blank gutter of 29 columns
+    rows = ["[default0]:[12/02/26 11:55:07] ERROR    [rank 0] training failed             fault29.py:180",
+            "[default0]:                             Traceback (most recent call last):                 ",
+            "[default0]:                               File \"/tmp/job/fault29.py\",                  ",
+            "[default1]:                    INFO     step 2 loss 0.61                   fault29.py:170",
+            "[default0]:                             ValueError: could not convert string               ",
+            "[default2]:[12/02/26 11:55:08] WARNING  slow step                          fault29.py:172"]
+    dialect = Dialect.detect(rows)
+    assert dialect.rich_gutter == 29 and dialect.exact_only
+    texts = [strip_prefixes(row, dialect).text for row in rows]
+    assert texts == ["ERROR    [rank 0] training failed", "Traceback (most recent call last):",
+                     "  File \"/tmp/job/fault29.py\",", "INFO     step 2 loss 0.61",
+                     "ValueError: could not convert string", "WARNING  slow step"]
+    # two records are not a layout; a plain indented line is left as it is
+    assert Dialect.detect(rows[:2]).rich_gutter == 0

@@ -1647,3 +1647,53 @@ def test_after_restarts_the_last_attempts_own_failure_is_the_root():
     folder = "sample_logs/cpu_adhoc/once_key_np6_r5_redirects"
     report = triage([folder, folder + ".console.log"]).to_dict()
     assert report["verdict"] == "ok" and report["root_cause"] is None
+
+
+def test_a_failure_the_script_caught_is_recovered_when_every_rank_then_finishes(tmp_path):
+    # real CPU runs (sample_logs/cpu_adhoc/printexc_continue_np6_r2_role): traceback.print_exc() and
+    # continue; every rank logs that it finished, every worker exits 0, no summary
+    log = tmp_path / "caught.log"
+    caught = ("[trainer2]:Traceback (most recent call last):\n"
+              '[trainer2]:  File "/tmp/job/fault29.py", line 176, in main\n'
+              "[trainer2]:RuntimeError: mat1 and mat2 shapes cannot be multiplied (16x7 and 8x16)\n")
+    lost = "[trainer{r}]:RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer\n"
+    done = "[trainer{r}]:2026-12-02 11:58:11,663 - trainer - INFO - training finished\n"
+    body = caught + done.format(r=2) + "".join(lost.format(r=r) + done.format(r=r) for r in (0, 1, 3))
+    report = _report(log, body)
+    assert (report["verdict"], report["root_cause"]) == ("ok", None)
+    back = report["recovered"]
+    assert (back["rule_id"], back["rank"], back["exception_type"]) == ("python.exception", 2, "RuntimeError")
+    # one rank never says it finished: the run is not known to have got over it
+    report = _report(log, body.replace(done.format(r=3), ""))
+    assert (report["verdict"], report["root_cause"]["rank"]) == ("failed", 2)
+    # an agent that saw a worker fail: not caught
+    agent = ("E1202 11:58:12.000000 3816 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+             "(exitcode: 1) local_rank: 2 (pid: 3826) of binary: /tmp/venv/bin/python3\n")
+    assert _report(log, body + agent)["verdict"] == "failed"
+
+
+def test_a_handler_that_fails_while_handling_is_not_the_root(tmp_path):
+    # real CPU run (sample_logs/cpu_adhoc/emergency_ckpt_np4_r3_plain): an on_exception hook saves an
+    # emergency checkpoint into a folder that does not exist, on the culprit and on its lost peers
+    log = tmp_path / "hook.log"
+    def chained(rank: int, first: str) -> str:
+        p = f"[rank{rank}]: "
+        return (f"{p}Traceback (most recent call last):\n{p}  File \"/tmp/job/fault29.py\", line 205, in main\n{p}{first}\n"
+                f"\n{p}During handling of the above exception, another exception occurred:\n\n"
+                f"{p}Traceback (most recent call last):\n{p}  File \"/tmp/job/fault29.py\", line 148, in on_exception\n"
+                f"{p}    torch.save(state, path)\n{p}RuntimeError: Parent directory /mnt/ckpt/emergency does not exist.\n")
+    lost = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:52610"
+    report = _report(log, chained(3, "RuntimeError: mat1 and mat2 shapes cannot be multiplied (16x7 and 8x16)")
+                     + chained(0, lost) + chained(2, lost))
+    rc = report["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.exception", "python_exception", 3)
+    assert "mat1 and mat2" in rc["text"]
+    # alone (no peer handled a lost connection the same way), the second error is a library's plainer
+    # word for the first, as before (a KeyError read as "model type not recognised")
+    alone = chained(3, "RuntimeError: mat1 and mat2 shapes cannot be multiplied (16x7 and 8x16)")
+    assert _report(log, alone)["root_cause"]["rule_id"] == "ckpt.write_failed"
+    # an exception raised "from" another (an explicit cause) is the one reported, as before
+    direct = chained(3, "KeyError: 'y'").replace(
+        "During handling of the above exception, another exception occurred:",
+        "The above exception was the direct cause of the following exception:")
+    assert _report(log, direct)["root_cause"]["rule_id"] == "ckpt.write_failed"

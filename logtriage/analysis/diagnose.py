@@ -22,7 +22,7 @@ from logtriage.analysis.hangs import (
     world_incomplete,
 )
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid, shared_gpu
-from logtriage.analysis.recovered import restarted_then_finished
+from logtriage.analysis.recovered import caught_then_finished, restarted_then_finished
 from logtriage.analysis.refine import (
     PEER_LEFT_RULES,
     STOPPED_WHILE_WAITING,
@@ -174,6 +174,13 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
             notes.append(f"torchrun restarted the workers after the failure at line {recovered.finding.line} "
                          f"and the run then finished (line {finish.line}): the job succeeded; that failure is "
                          f"reported as recovered")
+        finish = None if recovered else caught_then_finished(
+            root, findings, failures, {k.rank for k in keys if k.kind is StreamKind.RANK and k.rank >= 0})
+        if finish is not None:
+            recovered, root, verdict = root, None, Verdict.OK
+            notes.append(f"the script caught the failure at line {recovered.finding.line} and went on: every rank "
+                         f"then said it finished (the last at line {finish.line}) and no worker exited with an "
+                         f"error; that failure is reported as recovered (check what the run skipped)")
     if scan.unreadable:
         notes.append("the input ended early (damaged or truncated): errors after that point are not in this report")
     chain = build_chain(root or recovered, findings)

@@ -223,7 +223,8 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
                                 collective,
                                 scan.block_checkpoint_frames.get(hit.block_id, ""), frame,
                                 scan.block_broadcast_sources.get(hit.block_id), frame_file))
-    findings = _best_per_traceback(mark_went_on(findings), scan.block_kinds)
+    findings = _best_per_traceback(_before_the_handler(mark_went_on(findings), scan.block_handling_lines),
+                                   scan.block_kinds)
     return attribute_by_signal(findings, failures)
 
 
@@ -240,6 +241,29 @@ def _innermost_frame(scan: ScanResult, hit: Hit) -> tuple[str, str]:
 def _passive(rule: Rule) -> bool:
     """Teardown, context or a warning: what a line also says when it fails is still evidence."""
     return rule.teardown or rule.role is Role.CONTEXT or rule.severity is not Severity.ERROR
+
+
+def _before_the_handler(findings: list[Finding], handling: dict[int, int]) -> list[Finding]:
+    """In a traceback chained by "During handling of the above exception, another exception
+    occurred", a library usually raises its own, plainer error about the first (a KeyError read as
+    "model type not recognised"); but where the same second error also follows a lost peer on another
+    rank (a Connection closed by peer handled the same way), it is the handler's own failure (an
+    emergency checkpoint into a missing folder, a barrier the others never reach), whatever the
+    first exception was: then each such traceback is read by its first exception."""
+    if not handling:
+        return findings
+    first: dict[int, list[Finding]] = {}
+    then: dict[int, list[Finding]] = {}
+    for f in findings:
+        if f.block_id in handling and f.is_error and not f.is_teardown:
+            (first if f.line < handling[f.block_id] else then).setdefault(f.block_id, []).append(f)
+    after_a_lost_peer = {g.rule.id for block, found in first.items() if block in then
+                         and all(f.role is Role.CASCADE_CANDIDATE for f in found) for g in then[block]}
+    own = {block for block in first.keys() & then.keys() if any(g.rule.id in after_a_lost_peer for g in then[block])}
+    if not own:
+        return findings
+    dropped = {id(g) for block in own for g in then[block]}
+    return [f for f in findings if id(f) not in dropped]
 
 
 def _best_per_traceback(findings: list[Finding], block_kinds: dict[int, str]) -> list[Finding]:

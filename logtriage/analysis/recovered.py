@@ -45,6 +45,26 @@ def restarted_then_finished(root: RootCause, findings: list[Finding], failures: 
     return finish if restarted and not later_error else None
 
 
+def caught_then_finished(root: RootCause, findings: list[Finding], failures: list[ChildFailure],
+                         ranks: set[int]) -> Finding | None:
+    """The last line saying a rank finished, when the script caught its errors, printed them and went
+    on (`traceback.print_exc()` then `continue`): every rank of the run says it finished, after every
+    error its own stream shows and after every error no stream claims, and nothing of the launcher's
+    reports a failed worker (exit codes, a ChildFailedError); else None."""
+    if root.finding is None or failures or len(ranks) < 2:
+        return None
+    if any(f.stream.kind is StreamKind.LAUNCHER and f.is_error and not f.is_teardown for f in findings):
+        return None
+    finishes = [f for f in findings if f.rule.id == FINISHED_RULE and not _NOT_AN_END.search(f.text)]
+    last_finish = {f.rank: f.seq for f in finishes if f.rank is not None}
+    if not finishes or not ranks <= last_finish.keys():
+        return None
+    for f in findings:
+        if f.is_error and not f.is_teardown and f.seq > last_finish.get(f.rank, max(last_finish.values())):
+            return None
+    return max(finishes, key=lambda f: f.seq)
+
+
 def _agent_saw_fail(text: str) -> bool:
     """The agent's report of a failed worker (`failed (exitcode: 1) local_rank: 1 (pid: ...)`), or
     of its restart; without a restart the first is followed by ChildFailedError."""

@@ -330,6 +330,8 @@ class Assigner:
         if block is not None and block.kind is B.BlockKind.TRACEBACK and "exception" in block.state \
                 and "exception_line" not in block.state:
             block.state["exception_line"] = number
+        if block is not None and block.kind is B.BlockKind.TRACEBACK and block.state.get("handling", 0) is None:
+            block.state["handling"] = number
 
     def slot_for_rank(self, rank: int | None) -> int:
         """The slot a plain line of this rank (None: no rank) gets."""

@@ -15,6 +15,7 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _PROGRESS_BAR = re.compile(r"\d%\||\d(?:it/s|s/it)\]|\[\d\d:\d\d<")
 # a bar's rate with another process's message glued after it (no newline between them):
 # `rank 0:  50%|#####     | 3/6 [00:03<00:03,  1.01s/it][FATAL] ...`
+_LABEL_ONLY = re.compile(r"^(?:[\w.@-]{1,64}: ?|\[[^\[\]\s]{1,64}\]: ?|\d{1,6}: ?)$")
 _BAR_THEN_TEXT = re.compile(r"[\d?](?:it/s|s/it)\](?=\S)")
 # Unicode blanks a paste or a web page puts where the program printed spaces (a no-break space in
 # an issue's copied traceback, a figure or thin space), and zero-width marks (a byte-order mark
@@ -74,11 +75,17 @@ def _last_redraw(text: str) -> str:
     parts = [p for p in text.split("\r") if p.strip()]
     if not parts:
         return ""
-    if _PROGRESS_BAR.search(parts[-1]):
-        for part in reversed(parts):
+    # a launcher's label written before the first redraw (`worker-0: \r 17%|...`) is the line's own
+    label = parts[0] if len(parts) > 1 and _LABEL_ONLY.match(parts[0]) else ""
+    body = parts[1:] if label else parts
+    if _PROGRESS_BAR.search(body[-1]):
+        glued = after_bar(body[-1])
+        if glued != body[-1]:
+            return label + glued      # the bar's last state, then a record written after it
+        for part in reversed(body):
             if not _PROGRESS_BAR.search(part):
-                return part
-    return after_bar(parts[-1])
+                return label + part
+    return label + after_bar(body[-1])
 
 
 def after_bar(part: str) -> str:

@@ -44,6 +44,8 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
         # "During handling of the above exception": the first exception's own innermost frame
         state["cause_frame"] = state.get("last_frame", "")
         state["cause_file"] = state.get("last_file", "")
+        if text.startswith("During handling"):
+            state["handling"] = None   # its line number comes with Assigner.note_line_number
     if "src" in text and "File " not in text:
         m = BROADCAST_SOURCE.search(text)
         if m:
@@ -73,6 +75,9 @@ class TracebackFacts:
     cause_frames: dict[int, str] = field(default_factory=dict)        # a chain's first exception's frame
     cause_files: dict[int, str] = field(default_factory=dict)         # that frame's file
     exception_lines: dict[int, int] = field(default_factory=dict)     # its exception line's number
+    # the line "During handling of the above exception, another exception occurred:": what came after
+    # it is the handler's own failure (an emergency save, a barrier, a log call that failed)
+    handling_lines: dict[int, int] = field(default_factory=dict)
 
     def record(self, block_id: int, state: dict) -> None:
         if state.get("exception"):
@@ -91,3 +96,5 @@ class TracebackFacts:
             self.broadcast_sources[block_id] = state["broadcast_src"]
         if state.get("exception_line"):
             self.exception_lines[block_id] = state["exception_line"]
+        if state.get("handling"):
+            self.handling_lines[block_id] = state["handling"]

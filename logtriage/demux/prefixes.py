@@ -45,6 +45,7 @@ from typing import Iterable
 
 from logtriage.demux.around_paste import environment_report_span
 from logtriage.demux.launcher import CFE_RANK
+from logtriage.demux.clean import after_bar
 from logtriage.demux.wrapped import wrap_width
 
 _SRUN = re.compile(r"^ {0,6}(\d{1,7}): ")
@@ -67,6 +68,12 @@ _WRAPPER_TAG = re.compile(r"^\[([A-Za-z][A-Za-z_ .-]{1,30}|pod/[\w.-]{1,253}/[\w
 # `kubectl logs --prefix` over several pods (a PyTorchJob's master and workers): `[pod/<pod>/<container>] `;
 # the pod is a node (one torchrun each), its container's lines keep their own rank labels after it
 _KUBECTL = re.compile(r"^\[pod/([A-Za-z0-9][\w.-]{0,252})/[\w.-]{1,63}\] ")
+# rich's logging handler (`RichHandler`) lays each record out in columns: the time (`[12/02/26 11:55:07]`,
+# blank when it repeats), the level padded to 8, the message word-wrapped to the console's width, and the
+# caller's `file.py:NNN` at the right of the first row; the rows a record wraps onto keep the first two
+# columns blank. The message column is the gutter's width.
+_RICH_HEAD = re.compile(r"^(?:\[[^\[\]\n]{4,40}\]| {4,40}) (?P<level>(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) {1,8})(?=\S)")
+_RICH_PATH = re.compile(r" {2,}[\w.<>-]{1,80}:\d{1,6} *$")
 _NOT_TAGS = frozenset("info warn warning error err debug critical fatal trace notice stdout stderr".split())
 _PYTEST_E = re.compile(r"^E {3}(?: {4})?")
 _PYTEST_EXCEPTION = re.compile(r"^E {3}(?: {4})?(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): ")
@@ -141,6 +148,7 @@ class Dialect:
     # node, `worker-1.log`, is not that rank's output)
     agent_console: bool = False
     wrap_width: int = 0        # a hard-wrapped paste: rows of this width continue on the next (demux/wrapped.py)
+    rich_gutter: int = 0       # rich's logging layout: the message column starts here (time and level before it)
 
     @property
     def exact_only(self) -> bool:
@@ -149,7 +157,7 @@ class Dialect:
         line-number gutter, a template's `[r5] ` label, local ranks that are not global ones, hard-wrapped rows)."""
         return bool(self.srun_nodes or self.hosts or self.clock_stamped or self.pytest or self.quoted
                     or self.wrapper_tag or self.pods or self.gutter or self.bracket_label is not None or self.local_scoped
-                    or self.wrap_width)
+                    or self.wrap_width or self.rich_gutter)
 
     def labelled(self, row: str) -> bool:
         """Whether a row starts with a label this log's lines carry (a hard wrap's next row does not)."""
@@ -228,7 +236,7 @@ class Dialect:
                    hosts=chosen, srun_nodes=srun_nodes, indent=indent, gutter=gutter,
                    bracket_label=bracket_label,
                    local_scoped=not chosen and not pods and not srun_nodes and _locals_not_global(lines),
-                   agent_console=_a_console(lines), wrap_width=wrapped)
+                   agent_console=_a_console(lines), wrap_width=wrapped, rich_gutter=_rich_gutter(lines))
 
 
 def labelled(row: str, srun: bool) -> bool:
@@ -357,6 +365,34 @@ def _locals_not_global(lines: list[str]) -> bool:
     return differs
 
 
+def _rich_gutter(lines: list[str]) -> int:
+    """The width of rich's time and level columns where three records or more are laid out by its
+    logging handler (the same width each time), else 0."""
+    widths: Counter = Counter()
+    for line in lines:
+        m = _EXCEPTHOOK.match(line) or _TEE.match(line) or _TEE_HOST.match(line) if line[:1] == "[" else None
+        head = _RICH_HEAD.match(line[m.end():] if m else line)
+        if head:
+            widths[head.end()] += 1
+    if not widths:
+        return 0
+    width, count = widths.most_common(1)[0]
+    return width if count >= 3 else 0
+
+
+def _rich_message(text: str, gutter: int) -> tuple[str, bool]:
+    """A row of rich's logging layout from its level on, without the caller's path at the right (a
+    record's first row: `ERROR    step failed: ...`), or without its blank gutter (a row the record
+    wrapped onto)."""
+    head = _RICH_HEAD.match(text)
+    if head and head.end() == gutter:
+        return _RICH_PATH.sub("", text[head.start("level"):]).rstrip(), True
+    if len(text) > gutter and text[:gutter].isspace() and not text[gutter].isspace() or \
+            text[:gutter + 2].isspace() and text.strip():
+        return text[gutter:].rstrip(), True
+    return text, False
+
+
 def _a_console(lines: list[str]) -> bool:
     """Whether the sample is a launcher's console: an agent's own line, or prefixes (--tee's local
     rank, the excepthook's global one) naming two ranks or more."""
@@ -465,6 +501,12 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
         if m and (m.group(1) != "rank" or not _EXCEPTHOOK.match(text)):
             local, text = int(m.group(2)), text[m.end():]
             layers.append("tee")
+    if dialect.rich_gutter:
+        if "/s]" in text or "/it]" in text:   # a progress bar, and the record glued after it
+            text = after_bar(text)
+        text, laid_out = _rich_message(text, dialect.rich_gutter)
+        if laid_out:
+            layers.append("rich")
     m = _TEMPLATE.match(text)
     if m and not _EXCEPTHOOK.match(text):
         inner = m.group(1)
