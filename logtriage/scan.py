@@ -64,6 +64,7 @@ class SlotStats:
     last_step: int | None = None
     last_step_line: tuple[int, int] | None = None
     last_step_text: str = ""
+    first_step_line: tuple[int, int] | None = None   # (source, line) of its first progress line
 
 
 @dataclass
@@ -265,10 +266,18 @@ def note_step(result: ScanResult, slot: int, source: int, number: int, text: str
     stats = result.stats.get(slot)
     if stats is None:
         stats = result.stats[slot] = SlotStats()
+    note_first_step(stats, source, number)
+    if stats.last_step_line is not None and stats.last_step_line > (source, number):
+        return True   # an earlier candidate, read after a later line (the fast scan's first one)
     stats.last_step = int(m.group(1))
     stats.last_step_line = (source, number)
     stats.last_step_text = text[:300]
     return True
+
+
+def note_first_step(stats: SlotStats, source: int, number: int) -> None:
+    if stats.first_step_line is None or stats.first_step_line > (source, number):
+        stats.first_step_line = (source, number)
 
 
 def scan(sources: tuple[Source, ...], matcher: Matcher, progress: Callable[[int], None] | None = None) -> ScanResult:

@@ -124,3 +124,65 @@ def test_collect_envs_report_under_the_log_is_neither_job_output_nor_a_conventio
     log.write_text("".join(f"[rank{r}]:step 100 loss 1.234\n" for r in range(4)) + "\n### Versions\n\n" + COLLECT_ENV)
     report = triage([str(log)]).to_dict()
     assert (report["verdict"], report["root_cause"]["line"]) == ("hung", 4)
+
+
+# batch 30 of the real CPU runs (sample_logs/cpu_adhoc/herring_*): errors a script printed and went on
+# from, then one real failure on another rank
+REAL = ("[rank2]: Traceback (most recent call last):\n[rank2]:   File \"/tmp/job/fault30.py\", line 258, in main\n"
+        "[rank2]: KeyError: 'y'\n"
+        "[rank{r}]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer\n")
+
+
+def _herring_run(herring: str) -> str:
+    lines = [herring.format(r=r) for r in range(4)]
+    lines += [f"rank {r} step {s} loss 1.{r}{s}\n" for s in (1, 2, 3) for r in range(4)]
+    return "".join(lines) + "".join(REAL.format(r=r) for r in (0, 1, 3))
+
+
+@pytest.mark.parametrize("herring", [
+    # a caught exception each rank printed before training (a refused metrics connection)
+    "Traceback (most recent call last):\n  File \"/tmp/job/fault30.py\", line 82, in metrics_connect\n"
+    "ConnectionRefusedError: [Errno 111] Connection refused\nrank {r}: metrics disabled, training continues\n",
+    # a logged error that says the program goes on
+    "2026-12-02 12:13:40,600 - train - ERROR - rank {r}: metrics server unreachable; continuing without metrics\n",
+    # logger.exception's record, then the traceback it logged
+    "ERROR:train:rank {r}: eval hook failed at step 2; continuing\nTraceback (most recent call last):\n"
+    "  File \"/tmp/job/fault30.py\", line 147, in evaluate\nZeroDivisionError: division by zero\n",
+    # a flaky read retried
+    "[rank{r}]: OSError: [Errno 5] Input/output error: '/data/shard00{r}.bin'\nrank {r}: shard read failed, retrying (1/3)\n",
+])
+def test_an_error_a_script_went_on_from_is_not_the_root(tmp_path, herring):
+    log = tmp_path / "run.log"
+    log.write_text(_herring_run(herring))
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["exception_type"]) == ("python.exception", 2, "KeyError")
+
+
+def test_an_error_its_rank_went_on_from_is_not_the_root(tmp_path):
+    # rank 2's caught evaluation error, then its own fatal KeyError (herring_evalhook_value_np4_r0_plain)
+    caught = "[rank2]: Traceback (most recent call last):\n[rank2]: ZeroDivisionError: division by zero\n"
+    progress = "".join(f"[rank{r}]: step {s} loss 1.{r}{s}\n" for s in (1, 2, 3) for r in range(4))
+    log = tmp_path / "run.log"
+    log.write_text(caught + progress + "".join(REAL.format(r=r) for r in (0, 1, 3)))
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rank"], rc["exception_type"]) == (2, "KeyError")
+    # with nothing else wrong, the caught error is still what the log has
+    log.write_text(caught + progress)
+    assert triage([str(log)]).to_dict()["root_cause"]["exception_type"] == "ZeroDivisionError"
+
+
+def test_a_start_up_error_every_rank_printed_and_trained_after_is_not_the_root(tmp_path):
+    # every rank's optional import fails before training; the agent stopped ranks 0, 1, 3 after rank 2's
+    # KeyError (the summary's exit codes say which worker ended of its own failure)
+    herring = "".join(f"[rank{r}]: Traceback (most recent call last):\n[rank{r}]: ModuleNotFoundError: "
+                      f"No module named 'apex_fused_adam'\n" for r in range(4))
+    progress = "".join(f"[rank{r}]: step {s} loss 1.{r}{s}\n" for s in (1, 2, 3) for r in range(4))
+    summary = "".join(f"[{r}]:\n  time      : 2026-12-02_12:10:37\n  host      : vm\n  rank      : {r} (local_rank: {r})\n"
+                      f"  exitcode  : {1 if r == 2 else -15} (pid: {100 + r})\n  error_file: <N/A>\n" for r in range(4))
+    failed = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+              "============================================================\nfault30.py FAILED\n"
+              "------------------------------------------------------------\nFailures:\n")
+    log = tmp_path / "run.log"
+    log.write_text(herring + progress + REAL.format(r=0) + failed + summary)
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rank"], rc["exception_type"]) == (2, "KeyError")

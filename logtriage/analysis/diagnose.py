@@ -41,7 +41,7 @@ from logtriage.analysis.refine import (
     unique_id_host_left,
     unsent_sigterms,
 )
-from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
+from logtriage.analysis.rootcause import build_chain, choose_root, warning_root, went_on_from_every_error
 from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_named_ranks, group_destroyed,
                                               oom_on_shared_gpu, spawn_report_yields, timer_reaped, unresolved_host,
                                               waited_for_a_crash, writer_behind_readers)
@@ -181,6 +181,10 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
             notes.append(f"the script caught the failure at line {recovered.finding.line} and went on: every rank "
                          f"then said it finished (the last at line {finish.line}) and no worker exited with an "
                          f"error; that failure is reported as recovered (check what the run skipped)")
+        if recovered is None and root is not None and not failures and _finished_after_every_error(findings, facts):
+            root, verdict = None, Verdict.OK
+            notes.append("every error in the log is one the program went on from (its rank's progress lines come "
+                         "after it, or it said it retried, skipped or fell back), and the run then finished")
     if scan.unreadable:
         notes.append("the input ended early (damaged or truncated): errors after that point are not in this report")
     chain = build_chain(root or recovered, findings)
@@ -195,6 +199,18 @@ _LAUNCHER_SUCCESS = re.compile(r"worker group successfully finished|WorkerState\
                                r"Process \d+ exits successfully")
 
 
+def _finished_after_every_error(findings: list[Finding], facts: RankFacts) -> bool:
+    """The log says the run finished after its last error, nothing of the launcher's says a worker
+    failed, and every error is one the program went on from."""
+    errors = [f for f in findings if f.is_error and not f.is_teardown]
+    finishes = [f for f in findings if f.rule.id == FINISHED_RULE]
+    if not errors or not finishes or max(f.seq for f in finishes) < max(f.seq for f in errors):
+        return False
+    if any(f.stream.kind is StreamKind.LAUNCHER for f in errors):
+        return False
+    return went_on_from_every_error(findings, facts)
+
+
 def _merge_stats(scan: ScanResult, keys: list[StreamKey]) -> dict[StreamKey, SlotStats]:
     merged: dict[StreamKey, SlotStats] = {}
     for slot, stats in scan.stats.items():
@@ -205,6 +221,8 @@ def _merge_stats(scan: ScanResult, keys: list[StreamKey]) -> dict[StreamKey, Slo
             into.first_line = stats.first_line
         if stats.last_step_line and (into.last_step_line is None or stats.last_step_line > into.last_step_line):
             into.last_step, into.last_step_line, into.last_step_text = stats.last_step, stats.last_step_line, stats.last_step_text
+        if stats.first_step_line and (into.first_step_line is None or stats.first_step_line < into.first_step_line):
+            into.first_step_line = stats.first_step_line
     return merged
 
 
@@ -234,8 +252,11 @@ def _rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure],
     summary_root = next((f.rank for f in reversed(failures) if f.is_root_cause), None)
     shapes = {int(f.captures["process"]): f.captures["shape"] for f in findings
               if f.rule.id == SHAPES_RULE and f.captures.get("process", "").isdigit()}
+    progress = {key: (s.last_step_line[0], (s.first_step_line or s.last_step_line)[1], s.last_step_line[1],
+                      s.last_step_text)
+                for key, s in stats.items() if key.kind is StreamKind.RANK and s.last_step_line is not None}
     return RankFacts(frozenset(known), exit_codes, frozenset(completed), last_step, summary_root, frozenset(speaking),
-                     shapes)
+                     shapes, progress)
 
 
 def _first_progress(stats: dict[StreamKey, SlotStats]) -> tuple[int, int] | None:

@@ -167,6 +167,10 @@ def unglued(name: str) -> str:
     return glued.group(1) if glued else name
 
 
+LOGGED_ERROR = "python.logged_error"
+LOSS_NAN = "numerical.loss_nan"   # `loss is nan, skipping step 2`: a step skipped, training goes on
+
+
 def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[ChildFailure]) -> list[Finding]:
     """Primary hit per line part, resolved to streams and ranks."""
     primary: dict[int, Hit] = {}
@@ -223,8 +227,8 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
                                 collective,
                                 scan.block_checkpoint_frames.get(hit.block_id, ""), frame,
                                 scan.block_broadcast_sources.get(hit.block_id), frame_file))
-    findings = _best_per_traceback(_before_the_handler(mark_went_on(findings), scan.block_handling_lines),
-                                   scan.block_kinds)
+    findings = _logged_going_on(mark_went_on(findings), scan.blocks, scan.block_kinds)
+    findings = _best_per_traceback(_before_the_handler(findings, scan.block_handling_lines), scan.block_kinds)
     return attribute_by_signal(findings, failures)
 
 
@@ -241,6 +245,31 @@ def _innermost_frame(scan: ScanResult, hit: Hit) -> tuple[str, str]:
 def _passive(rule: Rule) -> bool:
     """Teardown, context or a warning: what a line also says when it fails is still evidence."""
     return rule.teardown or rule.role is Role.CONTEXT or rule.severity is not Severity.ERROR
+
+
+# a logged error that says in the same breath that the program goes on without the thing that failed
+_GOING_ON = re.compile(r"\b(?:continu(?:e|es|ing)|retry(?:ing)?|will retry|skipp(?:ing|ed)|fall(?:ing)? ?back|ignor(?:e|es|ed|ing)"
+                       r"|disabled|without (?:metrics|logging|telemetry|wandb|tensorboard))\b", re.IGNORECASE)
+
+
+def _logged_going_on(findings: list[Finding], blocks: dict[int, tuple[int, int, int]],
+                     block_kinds: dict[int, str]) -> list[Finding]:
+    """A record logged at ERROR level, or a non-finite loss, that says the program carries on
+    (`metrics server unreachable ...; continuing without metrics`, `loss is nan, skipping step 2`) is no
+    failure of the run, and neither is the traceback logged right under it
+    (`logger.exception("eval hook failed; continuing")`)."""
+    going = {(f.source, f.line): f for f in findings if f.rule.id in (LOGGED_ERROR, LOSS_NAN) and _GOING_ON.search(f.text)}
+    if not going:
+        return findings
+    out = []
+    for f in findings:
+        block = blocks.get(f.block_id) if f.block_id >= 0 and block_kinds.get(f.block_id) == "traceback" else None
+        record = going.get((block[0], block[1] - 1)) if block is not None and f.is_error else None
+        if (f.source, f.line) in going or (record is not None and record.rule.id == LOGGED_ERROR
+                                           and record.stream == f.stream):
+            f = replace(f, went_on=True)
+        out.append(f)
+    return out
 
 
 def _before_the_handler(findings: list[Finding], handling: dict[int, int]) -> list[Finding]:

@@ -55,6 +55,8 @@ class RankFacts:
     # rank -> the input shape it passed, from a framework's list of every process's shape
     # (accelerate's `- Process 4: [16, 1]` under a shape-mismatch error)
     reported_shapes: dict[int, str] = field(default_factory=dict)
+    # a rank stream -> (source, first line, last line, last text) of its progress lines (`step 5 loss ...`)
+    last_progress: dict = field(default_factory=dict)
 
 
 def earliest(findings: list[Finding]) -> Finding:

@@ -174,10 +174,15 @@ def _progress_lines(scanner: LineScanner, data, first_number: int, lines: ChunkL
     latest = np.full(int(slots.max()) + 1, -1, dtype=np.int64)
     np.maximum.at(latest, slots, keys)   # numpy, not numba: the merging process never loads numba (~100 MB)
     for slot in np.flatnonzero(latest >= 0).tolist():
+        candidates = np.sort(keys[slots == slot])
+        # the slot's first progress line of the chunk (a candidate may be no progress line: "after")
+        for key in candidates.tolist():
+            if _note_progress(scanner, data, first_number, lines, ends, slot, key):
+                break
         if _note_progress(scanner, data, first_number, lines, ends, slot, int(latest[slot])):
             continue
         # not a progress line after all ("after", "iterate"...): the slot's earlier candidates
-        for key in np.sort(keys[slots == slot])[::-1].tolist():
+        for key in candidates[::-1].tolist():
             if _note_progress(scanner, data, first_number, lines, ends, slot, key):
                 break
 
@@ -189,7 +194,8 @@ def _note_progress(scanner: LineScanner, data, first_number: int, lines: ChunkLi
     line, part = divmod(key, 2)
     number = first_number + line
     stats = result.stats.get(slot)
-    if stats is not None and stats.last_step_line is not None and stats.last_step_line >= (source, number):
+    if stats is not None and stats.last_step_line is not None and stats.last_step_line >= (source, number) \
+            and stats.first_step_line is not None and stats.first_step_line <= (source, number):
         return True
     begin = int(lines.starts[line])
     cut = int(lines.cuts[line])
