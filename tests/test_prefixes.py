@@ -15,7 +15,7 @@ PLAIN = Dialect()
     ("[rank0]:[I1130 00:01:08.161225451 reducer.cpp:132] Reducer initialized", 0, None,
      "[I1130 00:01:08.161225451 reducer.cpp:132] Reducer initialized"),                    # C++ log rank
     ("[default1]:[rank1]: Traceback (most recent call last):", 1, 1, "Traceback (most recent call last):"),
-    ("[trainer0]:[rank 0] step 1 loss 0.1842", 0, 0, "step 1 loss 0.1842"),   # --role trainer, a script's label
+    ("[trainer0]:[rank 0] step 1 loss 0.1842", None, 0, "[rank 0] step 1 loss 0.1842"),   # --role trainer
     ("[rank0]:NotImplementedError: x", None, 0, "NotImplementedError: x"),                  # --role rank (torchtitan)
     ("[RANK 1] 2026-05-19 10:10:29,701 [ERROR] GPU circuit breaker OPEN", 1, None,          # SimpleTuner's label
      "2026-05-19 10:10:29,701 [ERROR] GPU circuit breaker OPEN"),
@@ -23,7 +23,6 @@ PLAIN = Dialect()
     # a logging format's own rank label in front of each record
     ("[rank=2] KeyError: 'labels'", 2, None, "KeyError: 'labels'"),
     ("[rank: 1] Seed set to 42", 1, None, "Seed set to 42"),
-    ("[Rank 3]   File \"train.py\", line 10, in <module>", 3, None, "  File \"train.py\", line 10, in <module>"),
     ("[rank=1|local=1] step 3", 1, 1, "step 3"),
     ("[gpu187:2]:RuntimeError: CUDA error", None, 2, "RuntimeError: CUDA error"),           # role with host
     ("[default|rank=1|local=1] [rank1]: Traceback (most recent call last):", 1, 1,

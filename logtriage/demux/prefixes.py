@@ -100,7 +100,8 @@ _TEMPLATE = re.compile(r"^\[([^\[\]\n]{1,120})\]:? ")
 _TEMPLATE_RANK = re.compile(r"(?:^|[|,;\s])(?:global_)?(?:rank|r)[=:\s]?(\d{1,12})(?:$|[|,;\s/])", re.IGNORECASE)
 # a trainer's own rank label in front of the lines it writes (SimpleTuner: `[RANK 1] 2026-05-19 ...`; a
 # logging format's `[rank=2] `, `[rank: 2] `, `[Rank 2] `); torch's excepthook `[rank2]:` is not this
-_RANK_LABEL = re.compile(r"^\[rank(?:[=:] ?| )(\d{1,9})\]:? ", re.IGNORECASE)
+# (`[rank 2] ` and `[Rank 2] ` are a user's rank marker, read as such by the demuxer and the fast scan alike)
+_RANK_LABEL = re.compile(r"^\[(?:[Rr][Aa][Nn][Kk][=:] ?|RANK )(\d{1,9})\]:? ")
 # a line-prefix template's own label (`TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[r${rank}] '`): one short
 # word (or none) and the rank; global for `r`/`rank` or no word, else the role's local rank, as --tee's
 _BRACKET_LABEL = re.compile(r"^\[([A-Za-z_]{0,12})(\d{1,7})\] ")
@@ -517,7 +518,7 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
             if lm:
                 local = int(lm.group(1))
             layers.append("template")
-    m = _RANK_LABEL.match(text) if text[:5] in ("[RANK", "[rank", "[Rank") else None
+    m = _RANK_LABEL.match(text) if text[:2] in ("[r", "[R") else None
     if m and rank is None:
         rank, text = int(m.group(1)), text[m.end():]
         layers.append("template")
