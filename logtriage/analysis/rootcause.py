@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from logtriage.analysis.childfailed import is_own_failure
 from logtriage.analysis.findings import Finding
+from logtriage.analysis.lived_through import launcher_reports, lived_through, progress_after, ranks_by_rule
 from logtriage.analysis.rank_evidence import (all_exited_alike, lone_speaker, mismatch_odd_one_out, missing_from_barrier,
                                               odd_one_out, rank_from_exit_codes, rank_reporting_the_same,
                                               rank_the_launcher_saw_fail, rank_the_timeouts_wait_for, refine_rank)
@@ -39,7 +39,7 @@ RERAISE_REACH = 200   # input lines after the re-raise within which its original
 def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
     live = _after_store_lost(_without_reraise_wrappers(_not_recovered(
         [f for f in findings if f.is_error and not f.is_teardown], findings)))
-    live = _final_attempt(_went_on_after(live, facts))
+    live = _final_attempt(lived_through(live, facts))
     roots = [f for f in live if f.role is Role.ROOT_CANDIDATE and not _reports_death_after_own_error(f, live)]
     if roots:
         before = _errors_before_stop(roots, live)
@@ -194,112 +194,12 @@ def _not_recovered(live: list[Finding], findings: list[Finding]) -> list[Finding
     return kept or live
 
 
-def _went_on_after(live: list[Finding], facts: RankFacts) -> list[Finding]:
-    """An error a rank printed and then went on training from (its own progress lines come after
-    it: an optional import's traceback, a retried read, a caught evaluation error, a metrics client
-    that could not connect) did not end it, unless nothing but consequences went wrong besides."""
-    if not facts.last_progress:
-        return live
-    reports, sharers = _launcher_reports(live), _ranks_by_rule(live)
-    kept = [f for f in live if f.role not in (Role.ROOT_CANDIDATE, Role.EITHER)
-            or not (_progress_after(f, facts, reports, sharers) or _another_error_later(f, live))]
-    # only consequences left (peers that lost the rank which went on out of step): the error it
-    # went on from is still where it started
-    return kept if any(f.role in (Role.ROOT_CANDIDATE, Role.EITHER) for f in kept) else live
-
-
 def went_on_from_every_error(findings: list[Finding], facts: RankFacts) -> bool:
     """Every error of the log is one its rank (or, for a line no rank claims, every rank) went on
     training from, or one the program said it recovered from."""
     live = _not_recovered([f for f in findings if f.is_error and not f.is_teardown], findings)
-    reports, sharers = _launcher_reports(live), _ranks_by_rule(live)
-    return all(_progress_after(f, facts, reports, sharers) for f in live)
-
-
-# what a process never goes on from (its own fatal signal, whose buffered output is printed after it), or
-# what no progress line can undo (a stop, a hang): no reading of progress after them
-_NOT_GONE_ON = frozenset({Category.CRASH_SIGNAL, Category.HANG, Category.EXTERNAL_STOP, Category.PERFORMANCE_VALIDITY})
-_EXCEPTION_LINE = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt))\b")
-# a loss that is not a number: training goes on printing it, so only a finite loss after it is a recovery
-_NONFINITE = re.compile(r"\b(?:nan|inf)\b", re.IGNORECASE)
-
-
-def _another_error_later(finding: Finding, live: list[Finding]) -> bool:
-    """A rank's exception followed, in its own stream, by an exception of another type in a later
-    traceback (not a lost peer, not a signal): the process lived through the first (a caught
-    evaluation error, then the one that ended it)."""
-    if finding.stream.kind is not StreamKind.RANK or finding.block_id < 0 or finding.category in _NOT_GONE_ON \
-            or finding.category is Category.NUMERICAL:
-        return False
-    kind = _exception_type(finding)
-    if not kind:
-        return False   # (a C++ log line and the Python exception it becomes are one failure)
-    return any(f.stream == finding.stream and f.source == finding.source and f.line > finding.line
-               and f.block_id >= 0 and f.block_id != finding.block_id and f.role is Role.ROOT_CANDIDATE
-               and f.category not in _NOT_GONE_ON and _exception_type(f) not in (None, kind) for f in live)
-
-
-def _exception_type(finding: Finding) -> str | None:
-    """The type of the exception a traceback's finding ends with (its rule's capture, or the block's line)."""
-    named = finding.captures.get("exception_type")
-    if named:
-        return named
-    m = _EXCEPTION_LINE.match(finding.block_exception or "")
-    return m.group(1) if m else None
-
-
-def _ranks_by_rule(live: list[Finding]) -> dict[str, set[int]]:
-    ranks: dict[str, set[int]] = {}
-    for f in live:
-        if f.stream.kind is StreamKind.RANK and f.rank is not None:
-            ranks.setdefault(f.rule.id, set()).add(f.rank)
-    return ranks
-
-
-def _launcher_reports(live: list[Finding]) -> dict[tuple[int, int], list[int]]:
-    """(source, rank) -> the lines where the launcher reported that rank's worker failed."""
-    reports: dict[tuple[int, int], list[int]] = {}
-    for f in live:
-        if f.stream.kind is StreamKind.LAUNCHER and f.rank is not None:
-            reports.setdefault((f.source, f.rank), []).append(f.line)
-    return reports
-
-
-def _progress_after(finding: Finding, facts: RankFacts, reports: dict[tuple[int, int], list[int]],
-                    sharers: dict[str, set[int]]) -> bool:
-    """Progress of the finding's rank before and after it, where the launcher says the worker did not
-    end of its own failure (the agent stopped it), and before any launcher report of that worker
-    failing (a restart's next attempt is another process)."""
-    if finding.category in _NOT_GONE_ON:
-        return False
-    if not facts.exit_codes:
-        return False   # without the launcher's word on how each worker ended, buffered output misleads
-    if finding.stream.kind is StreamKind.UNATTRIBUTED and finding.rank is None:
-        # a line no rank claims, around which every rank made progress (a traceback each rank printed)
-        spans = list(facts.last_progress.values())
-        return len(spans) >= 2 and all(_around(span, finding) for span in spans)
-    span = facts.last_progress.get(finding.stream) if finding.stream.kind is StreamKind.RANK else None
-    if span is None or finding.rank not in facts.exit_codes or is_own_failure(facts.exit_codes[finding.rank]):
-        return False   # a worker that ended of its own failure (or whose end is not known) did not go on
-    spans = [s for s in facts.last_progress.values() if s[0] == finding.source]
-    # an error every rank printed (an optional import, a metrics client, a flaky read), after which this
-    # rank's progress goes on, and which the launcher says it did not die of (checked above)
-    printed_by = sharers.get(finding.rule.id, set())
-    shared = len(spans) >= 2 and len(printed_by) >= len(spans) and span[2] > finding.line \
-        and finding.category is not Category.NUMERICAL
-    if not shared:
-        return False   # (a rank's own progress after its error is no sign alone: its stdout, buffered,
-        #               is often printed after the traceback its stderr had already shown)
-    return not any(finding.line < line < span[2] for line in reports.get((finding.source, finding.rank), ()))
-
-
-def _around(span: tuple[int, int, int, str], finding: Finding) -> bool:
-    """Progress lines before the finding and after it, the last with a finite loss after a NaN. Both
-    are needed: a worker's stdout, buffered, is often printed after the traceback its stderr had
-    already shown (torchrun's --tee reads the two apart)."""
-    source, first, last, text = span
-    return source == finding.source and first < finding.line < last and not (
-        finding.category is Category.NUMERICAL and _NONFINITE.search(text))
+    reports, sharers = launcher_reports(live), ranks_by_rule(live)
+    return all(progress_after(f, facts, reports, sharers) for f in live)
 
 
 def warning_root(findings: list[Finding]) -> RootCause | None:
