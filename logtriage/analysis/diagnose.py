@@ -183,8 +183,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
                          f"error; that failure is reported as recovered (check what the run skipped)")
         if recovered is None and root is not None and not failures and _finished_after_every_error(findings, facts):
             root, verdict = None, Verdict.OK
-            notes.append("every error in the log is one the program went on from (its rank's progress lines come "
-                         "after it, or it said it retried, skipped or fell back), and the run then finished")
+            notes.append("every error in the log is one the program went on from (it said it retried, skipped or "
+                         "fell back, or every rank printed it and trained on), and the run then finished")
     if scan.unreadable:
         notes.append("the input ended early (damaged or truncated): errors after that point are not in this report")
     chain = build_chain(root or recovered, findings)

@@ -248,8 +248,9 @@ def _passive(rule: Rule) -> bool:
 
 
 # a logged error that says in the same breath that the program goes on without the thing that failed
-_GOING_ON = re.compile(r"\b(?:continu(?:e|es|ing)|retry(?:ing)?|will retry|skipp(?:ing|ed)|fall(?:ing)? ?back|ignor(?:e|es|ed|ing)"
-                       r"|disabled|without (?:metrics|logging|telemetry|wandb|tensorboard))\b", re.IGNORECASE)
+_GOING_ON = re.compile(r"\b(?:continu(?:e|es|ing)|retry(?:ing)?|will retry|skipp(?:ing|ed)|fall(?:ing)? ?back"
+                       r"|ignor(?:e|es|ed|ing)|disabled|without (?:metrics|logging|telemetry|wandb|tensorboard))\b",
+                       re.IGNORECASE)
 
 
 def _logged_going_on(findings: list[Finding], blocks: dict[int, tuple[int, int, int]],
@@ -258,7 +259,8 @@ def _logged_going_on(findings: list[Finding], blocks: dict[int, tuple[int, int, 
     (`metrics server unreachable ...; continuing without metrics`, `loss is nan, skipping step 2`) is no
     failure of the run, and neither is the traceback logged right under it
     (`logger.exception("eval hook failed; continuing")`)."""
-    going = {(f.source, f.line): f for f in findings if f.rule.id in (LOGGED_ERROR, LOSS_NAN) and _GOING_ON.search(f.text)}
+    going = {(f.source, f.line): f for f in findings
+             if f.rule.id in (LOGGED_ERROR, LOSS_NAN) and _GOING_ON.search(f.text)}
     if not going:
         return findings
     out = []

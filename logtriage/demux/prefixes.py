@@ -72,7 +72,8 @@ _KUBECTL = re.compile(r"^\[pod/([A-Za-z0-9][\w.-]{0,252})/[\w.-]{1,63}\] ")
 # blank when it repeats), the level padded to 8, the message word-wrapped to the console's width, and the
 # caller's `file.py:NNN` at the right of the first row; the rows a record wraps onto keep the first two
 # columns blank. The message column is the gutter's width.
-_RICH_HEAD = re.compile(r"^(?:\[[^\[\]\n]{4,40}\]| {4,40}) (?P<level>(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) {1,8})(?=\S)")
+_RICH_HEAD = re.compile(r"^(?:\[[^\[\]\n]{4,40}\]| {4,40}) "
+                        r"(?P<level>(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) {1,8})(?=\S)")
 _RICH_PATH = re.compile(r" {2,}[\w.<>-]{1,80}:\d{1,6} *$")
 _NOT_TAGS = frozenset("info warn warning error err debug critical fatal trace notice stdout stderr".split())
 _PYTEST_E = re.compile(r"^E {3}(?: {4})?")
@@ -154,11 +155,12 @@ class Dialect:
     @property
     def exact_only(self) -> bool:
         """Prefix layers the fast scan's compiled kernel does not parse: such a log takes the exact
-        path (srun tasks as nodes, hosts, a console clock, pytest's `E`, quotes, a supervisor's tag, a
-        line-number gutter, a template's `[r5] ` label, local ranks that are not global ones, hard-wrapped rows)."""
+        path (srun tasks as nodes, hosts, a console clock, pytest's `E`, quotes, a supervisor's tag,
+        kubectl's pods, a line-number gutter, a template's `[r5] ` label, local ranks that are not global
+        ones, hard-wrapped rows, rich's logging columns)."""
         return bool(self.srun_nodes or self.hosts or self.clock_stamped or self.pytest or self.quoted
-                    or self.wrapper_tag or self.pods or self.gutter or self.bracket_label is not None or self.local_scoped
-                    or self.wrap_width or self.rich_gutter)
+                    or self.wrapper_tag or self.pods or self.gutter or self.bracket_label is not None
+                    or self.local_scoped or self.wrap_width or self.rich_gutter)
 
     def labelled(self, row: str) -> bool:
         """Whether a row starts with a label this log's lines carry (a hard wrap's next row does not)."""
