@@ -178,3 +178,28 @@ def test_the_builtin_catalog_builds_a_hyperscan_prefilter_where_hyperscan_is_ins
     from logtriage.fastscan.prefilter import Prefilter
 
     assert Prefilter(Matcher(get_catalog()).rules).hyperscan is not None
+
+
+@pytest.mark.parametrize("style", ["plain", "tee"])
+def test_the_prefilter_leaves_a_healthy_logs_lines_to_the_byte_scan(tmp_path, style):
+    """A pattern whose literals are common words (stop 27's `skipp(?:ing|ed) (?:bad )?(?:sample|file|item)`
+    shape) sends ordinary progress lines to the exact path: the 1 GB benchmark went from 4 s to
+    27.6 s with no test failing. On a healthy generated log the candidates stay a small share of
+    the lines (0.4 % at stop 28's start; 3.6 % with that pattern)."""
+    import numpy as np
+
+    from logtriage.api import get_catalog
+    from logtriage.catalog.matcher import Matcher
+    from logtriage.fastscan.prefilter import Prefilter
+
+    log = tmp_path / "healthy.log"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generate.py"), "--ranks", "16", "--size", "4M",
+                    "--seed", "11", "--style", style, "--failure", "none", "--out", str(log)],
+                   check=True, capture_output=True, timeout=300)
+    data = log.read_bytes()
+    raw_lines = data.split(b"\n")
+    starts = np.cumsum([0] + [len(r) + 1 for r in raw_lines[:-1]]).astype(np.int64)
+    candidates = Prefilter(Matcher(get_catalog()).rules).candidate_lines(data, starts)
+    assert len(candidates) / len(raw_lines) < 0.015, (
+        f"{len(candidates)} of {len(raw_lines)} lines are prefilter candidates: a rule's pattern likely "
+        "requires only common words (see prefilter.required_atoms)")
