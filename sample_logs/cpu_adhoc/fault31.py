@@ -36,7 +36,7 @@ Faults (--rank R at step --step S, default 4; one rank only unless said):
   deadlock  rank R calls dist.barrier() while the other ranks wait in dist.broadcast(src=R): every rank stalls
             until the gloo timeout
   memory    rank R allocates a 1 PiB bytearray for a prefetch buffer (MemoryError)
-  mismatch  rank R all_reduces a metrics tensor of 3 elements where the others use 2
+  mismatch  rank R all_reduces a metrics tensor of --mismatch-n elements (default 3) where the others use 2
   none      no fault
 """
 import argparse, datetime, logging, math, os, signal, sys, time
@@ -54,6 +54,7 @@ p.add_argument("--step", type=int, default=4)
 p.add_argument("--steps", type=int, default=8)
 p.add_argument("--nancheck", choices=["raise", "assert"], default="raise")
 p.add_argument("--pg-timeout", type=int, default=15)
+p.add_argument("--mismatch-n", type=int, default=3)
 a = p.parse_args()
 BATCH, LR = 16, 1e-4
 RANK = int(os.environ["RANK"])
@@ -452,7 +453,7 @@ def main():
         opt.step()
         metrics = torch.tensor([loss.item(), gnorm])
         if me and a.fault == "mismatch":
-            metrics = torch.tensor([loss.item(), gnorm, float(x.shape[0])])  # added a 'tokens' metric on one rank
+            metrics = torch.cat([torch.tensor([loss.item(), gnorm]), torch.full((a.mismatch_n - 2,), float(x.shape[0]))])  # extra per-class token counts on one rank
         dist.all_reduce(metrics)
         lossv = float(metrics[0]) / WORLD
         prog.step(i, lossv, time.time() - t, float(metrics[1]) / WORLD)
