@@ -40,7 +40,20 @@ _WORLD = re.compile(r"world[_ ]size\s*[=:]\s*(\d{1,7})|global_world_sizes=\[(\d{
 _NPROC = re.compile(r"--nproc[_-]per[_-]node[= ](\d{1,5})\b")
 _NNODES = re.compile(r"--nnodes[= ](\S+)")
 # a progress line's step; not a Slurm step id (`*** STEP 422332.0 ON node01 CANCELLED`, `job step 7.0`)
-STEP = re.compile(r"\b(?:global[_ ])?(?:step|iter(?:ation)?)\b\s*[:=#]?\s*\[?\s*(\d{1,12})\b(?!\.\d)", re.IGNORECASE)
+# and a tqdm-style counter after a lower-case `it` (`[3] it 5/7 | loss 0.41`)
+STEP = re.compile(r"\b(?:global[_ ])?(?:step|iter(?:ation)?)\b\s*[:=#]?\s*\[?\s*(\d{1,12})\b(?!\.\d)"
+                  r"|(?-i:(?<![\w])it (\d{1,12}) ?/ ?\d)", re.IGNORECASE)
+
+
+def step_number(text: str) -> int | None:
+    """The step a progress line reports, or None."""
+    m = STEP.search(text)
+    return None if m is None else int(m.group(1) or m.group(2))
+
+
+def may_hold_step(text: str) -> bool:
+    """The cheap test before STEP (the fast kernel's is the same: "tep", "ter" or "it ")."""
+    return "tep" in text or "ter" in text or "it " in text
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +234,7 @@ class LineScanner:
                     result.world_size = max(result.world_size or 0, value)
         if "nproc" in text and len(text) < MAX_WORLD_TEXT:
             _note_launch_world(result, text)
-        if ("tep" in text or "ter" in text) and len(text) < MAX_STEP_TEXT:
+        if may_hold_step(text) and len(text) < MAX_STEP_TEXT:
             note_step(result, slot, source, number, text)
         for hit in (self.matcher.match(text) if may_match else ()):
             key = (hit.rule.id, slot)
@@ -260,8 +273,8 @@ def _note_rule_timeouts(result: ScanResult, matcher: Matcher) -> None:
 
 def note_step(result: ScanResult, slot: int, source: int, number: int, text: str) -> bool:
     """Record a progress line (`step 812`, `iteration 3`) as its stream's latest."""
-    m = STEP.search(text)
-    if not m:
+    step = step_number(text)
+    if step is None:
         return False
     stats = result.stats.get(slot)
     if stats is None:
@@ -269,7 +282,7 @@ def note_step(result: ScanResult, slot: int, source: int, number: int, text: str
     note_first_step(stats, source, number)
     if stats.last_step_line is not None and stats.last_step_line > (source, number):
         return True   # an earlier candidate, read after a later line (the fast scan's first one)
-    stats.last_step = int(m.group(1))
+    stats.last_step = step
     stats.last_step_line = (source, number)
     stats.last_step_text = text[:300]
     return True

@@ -14,7 +14,7 @@ from logtriage.analysis.findings import Finding, short_type
 from logtriage.analysis.roots import RankFacts, earliest
 from logtriage.catalog.rule import Category, Layer, Role
 from logtriage.demux.blocks import NCCL_PREFIX
-from logtriage.scan import STEP
+from logtriage.scan import step_number
 
 
 def all_exited_alike(first: Finding, group: list[Finding], live: list[Finding], facts: RankFacts) -> tuple[int, ...]:
@@ -134,9 +134,9 @@ def refine_rank(first: Finding, live: list[Finding], ranks: tuple[int, ...]) -> 
 def _first_step_per_rank(findings: list[Finding]) -> dict[int, int]:
     steps: dict[int, int] = {}
     for f in sorted(findings, key=lambda f: f.seq):
-        m = STEP.search(f.text)
-        if m and f.rank is not None:
-            steps.setdefault(f.rank, int(m.group(1)))
+        step = step_number(f.text)
+        if step is not None and f.rank is not None:
+            steps.setdefault(f.rank, step)
     return steps
 
 

@@ -398,11 +398,20 @@ def _leading(buf, i, end):
 
 
 @njit(cache=True, nogil=True)
-def _has_step(buf, a, b):
-    for k in range(a, b - 2):
-        if buf[k] == 116 and buf[k + 1] == 101 and (buf[k + 2] == 112 or buf[k + 2] == 114):
-            return True
-    return False
+def _is_word_byte(c):
+    return 48 <= c <= 57 or 65 <= c <= 90 or 97 <= c <= 122 or c == 95
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _is_step_at(buf, k, size):
+    """Whether the `t` at k starts "tep"/"ter" (step, iter, iteration), or ends a word "it" that a
+    counter follows (`it 3/7`)."""
+    if k + 2 >= size:
+        return False
+    if buf[k + 1] == 101 and (buf[k + 2] == 112 or buf[k + 2] == 114):
+        return True
+    return (buf[k + 1] == 32 and _is_digit(buf[k + 2]) and k >= 1 and buf[k - 1] == 105
+            and (k < 2 or not _is_word_byte(buf[k - 2])))
 
 
 # Byte classes for the one pass over a chunk (_scan_bytes).
@@ -432,7 +441,7 @@ def _zero_bytes(x):
 def _special_word(x):
     """Whether the 8 bytes in x (little-endian) may hold a byte _scan_bytes must look at, false
     positives allowed: a control byte (< 32), DEL or non-ASCII, `[` or `]`, or a `t` that starts
-    `te` (in the word, or as its last byte)."""
+    `te` (in the word, or as its last byte), or `it ` (`t ` as the first bytes: `i` ended the last word)."""
     if (x & _HIGHS) != 0 or ((x - _ONES * np.uint64(32)) & ~x & _HIGHS) != 0:
         return True
     if (_zero_bytes(x ^ (_ONES * np.uint64(91))) | _zero_bytes(x ^ (_ONES * np.uint64(93)))
@@ -440,13 +449,17 @@ def _special_word(x):
         return True
     t = _zero_bytes(x ^ (_ONES * np.uint64(116)))
     e = _zero_bytes(x ^ (_ONES * np.uint64(101)))
-    return ((t & (e >> np.uint64(8))) | (t >> np.uint64(63))) != 0
+    if ((t & (e >> np.uint64(8))) | (t >> np.uint64(63))) != 0:
+        return True
+    i = _zero_bytes(x ^ (_ONES * np.uint64(105)))
+    space = _zero_bytes(x ^ (_ONES * np.uint64(32)))
+    return ((i & (t >> np.uint64(8)) & (space >> np.uint64(16))) | (t & (space >> np.uint64(8)) & np.uint64(0x80))) != 0
 
 
 @njit(cache=True, nogil=True)
 def _scan_bytes(buf, classes, ends, bad, last_colon, first_step, last_step, brackets, last_cr, high):
     """One pass over the chunk: line ends, and per line whether it holds a byte a plain line may
-    not, where its last `]:` is, where "tep"/"ter" first and last occur, how many `[` it has."""
+    not, where its last `]:` is, where "tep"/"ter" (or "it N") first and last occur, how many `[` it has."""
     n = 0
     size = buf.shape[0]
     is_bad = False
@@ -496,7 +509,7 @@ def _scan_bytes(buf, classes, ends, bad, last_colon, first_step, last_step, brac
             if k + 1 < size and buf[k + 1] == 58:
                 colon = k
         elif c == _T:
-            if k + 2 < size and buf[k + 1] == 101 and (buf[k + 2] == 112 or buf[k + 2] == 114):
+            if _is_step_at(buf, k, size):
                 if step_a < 0:
                     step_a = k
                 step_b = k

@@ -20,7 +20,8 @@ from logtriage.analysis.timestamps import parse_stamp
 
 # The step counters `triage` reads for a rank's last step (logtriage/scan.py), as the viewer needs
 # them: on raw bytes, so lining up two 150,000-line ranks decodes no line that has no step.
-STEP = re.compile(rb"\b(?:global[_ ])?(?:step|iter(?:ation)?)\b\s*[:=#]?\s*\[?\s*(\d{1,12})\b", re.IGNORECASE)
+STEP = re.compile(rb"\b(?:global[_ ])?(?:step|iter(?:ation)?)\b\s*[:=#]?\s*\[?\s*(\d{1,12})\b"
+                  rb"|(?-i:(?<![\w])it (\d{1,12}) ?/ ?\d)", re.IGNORECASE)
 MAX_TIME_MERGE_LINES = 2_000_000
 BLANK = -1
 
@@ -62,10 +63,11 @@ def _steps(lines: list[bytes]) -> list[int]:
     """The step each line belongs to (-1 before the first step line)."""
     current, out = -1, []
     for text in lines:
-        if (b"tep" in text or b"ter" in text or b"TEP" in text or b"TER" in text) and len(text) < 2000:
+        if (b"tep" in text or b"ter" in text or b"TEP" in text or b"TER" in text or b"it " in text) \
+                and len(text) < 2000:
             m = STEP.search(text)
             if m:
-                current = int(m.group(1))
+                current = int(m.group(1) or m.group(2))
         out.append(current)
     return out
 
