@@ -39,6 +39,11 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
     ahead = {r for r in peer_closed if waited_steps and facts.last_step.get(r, -1) > max(waited_steps)}
     in_collective = timed_out | (peer_closed - ahead)
     hidden = unseen_ranks(facts)
+    killed_running = {r for r in hidden - in_collective if facts.exit_codes.get(r, 0) < 0}
+    if len(killed_running) == 1 and facts.known - in_collective == killed_running:
+        # Output filtered, but the summary shows every other rank's timeout (from its error file), and
+        # this one only as stopped by the agent's signal: it never raised, it was still elsewhere.
+        hidden = frozenset()
     missing = sorted(facts.known - in_collective - hidden)
     culprit = named_culprit(live)
     if culprit is not None:
