@@ -20,6 +20,9 @@ Faults (--fault, on --rank):
   collate   the record's x has 9 features: default_collate's torch.stack fails (RuntimeError: stack expects ...)
   memory    __getitem__ allocates bytearray(1 << 50) -> MemoryError
   winit     worker_init_fn raises on rank R (RuntimeError: could not open the record index ...)
+  prefetch  set-up: the loader options come from a per-rank config; rank R's says num_workers=0 while every rank
+            passes prefetch_factor=4 -> DataLoader's ValueError (prefetch_factor option could only be specified in
+            multiprocessing...) before the first step, after DDP was built
   uneven    rank R's shard is shorter (5 batches, not 8); it leaves the loop, prints its summary and, with
             --final barrier, waits in dist.barrier(); with --final exit, destroys its group and returns
   none      no fault
@@ -127,10 +130,15 @@ def main():
     ds = Records(steps * B * world, rank, world)
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False, drop_last=False)
     kw = dict(timeout=a.dl_timeout) if (a.fault == "hang_to" and a.workers > 0) else {}
-    dl = DataLoader(ds, batch_size=B, sampler=sampler, num_workers=a.workers, worker_init_fn=worker_init(rank),
-                    pin_memory=a.noise, persistent_workers=a.workers > 0, **kw)
+    workers = a.workers
+    if a.fault == "prefetch":
+        kw["prefetch_factor"] = 4
+        if rank == a.rank:
+            workers = 0
+    dl = DataLoader(ds, batch_size=B, sampler=sampler, num_workers=workers, worker_init_fn=worker_init(rank),
+                    pin_memory=a.noise, persistent_workers=workers > 0, **kw)
     if a.style == "log":
-        log.info("rank %d/%d: %d records, %d batches, num_workers=%d", rank, world, len(sampler), len(dl), a.workers)
+        log.info("rank %d/%d: %d records, %d batches, num_workers=%d", rank, world, len(sampler), len(dl), workers)
     bar = None
     if a.style == "tqdm" and rank == 0:
         from tqdm import tqdm
