@@ -25,9 +25,11 @@ Faults (--fault, on --rank):
             multiprocessing...) before the first step, after DDP was built
   uneven    rank R's shard is shorter (5 batches, not 8); it leaves the loop, prints its summary and, with
             --final barrier, waits in dist.barrier(); with --final exit, destroys its group and returns
+  handled   no failure: rank R's bad record raises KeyError: 'label' inside __getitem__, which catches it, prints the
+            traceback (traceback.print_exc()) and a 'dropping malformed record' line, and uses the next record
   none      no fault
 """
-import argparse, datetime, json, logging, os, signal, sys, time, warnings
+import argparse, datetime, json, logging, os, signal, sys, time, traceback, warnings
 import torch, torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
@@ -93,6 +95,14 @@ class Records(Dataset):
                 rec["x"] += ",0.0000"
             elif f == "memory":
                 buf = bytearray(1 << 50)
+            elif f == "handled":
+                try:
+                    bad = dict(rec); bad["labels"] = bad.pop("label"); bad["label"]
+                except KeyError:
+                    traceback.print_exc()
+                    print(f"rank {self.rank}: dropping malformed record {i} (shard {rec['shard']:05d}), using record {i + 1}",
+                          file=sys.stderr, flush=True)
+                    rec = self.raw(i + 1)
         x = torch.tensor([float(v) for v in rec["x"].split(",")])
         return x, torch.tensor(rec["label"])
 
