@@ -36,6 +36,9 @@ def peer_that_left(root: RootCause, findings: list[Finding], facts: RankFacts, c
             for f in live):
         return root
     silent = facts.known - {f.rank for f in live}
+    stopped_by_agent = {r for r in silent if facts.exit_codes.get(r) == -15}
+    if stopped_by_agent and len(silent - stopped_by_agent) == 1:
+        silent -= stopped_by_agent     # alive until the agent's SIGTERM: still waiting, not the one that left
     if len(silent) != 1:
         return _odd_one_out_in_progress(root, facts)
     peer = next(iter(silent))
