@@ -41,7 +41,7 @@ _NPROC = re.compile(r"--nproc[_-]per[_-]node[= ](\d{1,5})\b")
 _NNODES = re.compile(r"--nnodes[= ](\S+)")
 # a progress line's step; not a Slurm step id (`*** STEP 422332.0 ON node01 CANCELLED`, `job step 7.0`)
 # and a tqdm-style counter after a lower-case `it` (`[3] it 5/7 | loss 0.41`)
-STEP = re.compile(r"\b(?:global[_ ])?(?:step|iter(?:ation)?)\b\s*[:=#]?\s*\[?\s*(\d{1,12})\b(?!\.\d)"
+STEP = re.compile(r"\b(?:global[_ ])?(?:step|iter(?:ation)?)\b[\"']?\s*[:=#]?\s*\[?\s*(\d{1,12})\b(?!\.\d)"
                   r"|(?-i:(?<![\w])it (\d{1,12}) ?/ ?\d)", re.IGNORECASE)
 
 

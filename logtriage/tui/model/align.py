@@ -20,7 +20,7 @@ from logtriage.analysis.timestamps import parse_stamp
 
 # The step counters `triage` reads for a rank's last step (logtriage/scan.py), as the viewer needs
 # them: on raw bytes, so lining up two 150,000-line ranks decodes no line that has no step.
-STEP = re.compile(rb"\b(?:global[_ ])?(?:step|iter(?:ation)?)\b\s*[:=#]?\s*\[?\s*(\d{1,12})\b"
+STEP = re.compile(rb"\b(?:global[_ ])?(?:step|iter(?:ation)?)\b[\"']?\s*[:=#]?\s*\[?\s*(\d{1,12})\b"
                   rb"|(?-i:(?<![\w])it (\d{1,12}) ?/ ?\d)", re.IGNORECASE)
 MAX_TIME_MERGE_LINES = 2_000_000
 BLANK = -1
