@@ -390,8 +390,9 @@ def _rich_message(text: str, gutter: int) -> tuple[str, bool]:
     head = _RICH_HEAD.match(text)
     if head and head.end() == gutter:
         return _RICH_PATH.sub("", text[head.start("level"):]).rstrip(), True
-    if len(text) > gutter and text[:gutter].isspace() and not text[gutter].isspace() or \
-            text[:gutter + 2].isspace() and text.strip():
+    wrapped = len(text) > gutter and text[:gutter].isspace() and not text[gutter].isspace()
+    indented = text[:gutter + 2].isspace() and bool(text.strip())   # deeper than the gutter: a frame's source line
+    if wrapped or indented:
         return text[gutter:].rstrip(), True
     return text, False
 
