@@ -1697,3 +1697,35 @@ def test_a_handler_that_fails_while_handling_is_not_the_root(tmp_path):
         "During handling of the above exception, another exception occurred:",
         "The above exception was the direct cause of the following exception:")
     assert _report(log, direct)["root_cause"]["rule_id"] == "ckpt.write_failed"
+
+
+def test_a_caught_error_is_recovered_when_the_agent_then_says_its_worker_group_succeeded(tmp_path):
+    # real CPU run (sample_logs/cpu_adhoc/end_ctrl_nodestroy_np5_r2_loglevel, LOGLEVEL=INFO): an optional
+    # metrics push fails after training, printed with print_exc(); every worker exits 0
+    log = tmp_path / "pushed.log"
+    body = ("2026-12-02 15:55:59,687 INFO [rank0] train: Training complete: 6 steps in 0.4s, final loss 1.3544\n"
+            "Traceback (most recent call last):\n"
+            '  File "/tmp/job/fault33.py", line 338, in end_phase\n'
+            'RuntimeError: metrics push: server returned HTTP 503 Service Unavailable\n')
+    succeeded = ("I1202 15:56:02.528000 19628 torch/distributed/elastic/agent/server/api.py:932] [default] worker "
+                 "group successfully finished. Waiting 300 seconds for other agents to finish.\n")
+    report = _report(log, body + succeeded)
+    assert (report["verdict"], report["root_cause"]) == ("ok", None)
+    assert report["recovered"]["exception_type"] == "RuntimeError"
+    assert any("worker group succeeded" in n for n in report["notes"])
+    # the agent's word before the error says nothing of it
+    assert _report(log, succeeded + body)["verdict"] == "failed"
+    # a NaN loss fails the run though every worker exits 0 (cpu_matrix's loglevel_info NaN runs)
+    nan = "[rank1]: step 3 loss nan grad_norm nan\n"
+    report = _report(log, nan + succeeded)
+    assert (report["verdict"], report["root_cause"]["rule_id"]) == ("failed", "numerical.loss_nan")
+
+
+def test_srun_task_exits_of_agents_yield_to_the_workers_lost_peers(tmp_path):
+    # real CPU run (sample_logs/cpu_adhoc/end_destroy_partial_np6_r2_srun2): one torchrun agent per srun
+    # task; rank 2 destroyed its group and exited 0 while the others still ran a collective
+    report = triage(["sample_logs/cpu_adhoc/end_destroy_partial_np6_r2_srun2.log"]).to_dict()
+    rc = report["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("gloo.connection_closed", "collective_error", 2)
+    # the agents' `failed (exitcode: 1) local_rank: N` lines join their ranks' own rows
+    assert sorted(r["rank"] for r in report["ranks"]) == [0, 1, 2, 3, 4, 5]

@@ -32,6 +32,7 @@ from logtriage.analysis.refine import (
     hangup_forwarded,
     oom_device_rank,
     peer_that_left,
+    peers_over_node_exit,
     sigkill_on_gpu_job,
     stop_after_task_failure,
     stop_for_memory,
@@ -81,6 +82,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     root = choose_root(findings, facts)
     if root is not None:
         root = spawn_report_yields(root, findings)
+    if root is not None and (scan.srun_tasks_are_nodes or any(f.local_rank is not None for f in failures)):
+        root = peers_over_node_exit(root, findings)
     if root is not None and root.rule.id in PEER_LEFT_RULES:
         root = peer_that_left(root, findings, facts, catalog)
     if root is not None and root.rule.role is Role.CASCADE_CANDIDATE:
@@ -178,9 +181,11 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
             root, findings, failures, {k.rank for k in keys if k.kind is StreamKind.RANK and k.rank >= 0})
         if finish is not None:
             recovered, root, verdict = root, None, Verdict.OK
-            notes.append(f"the script caught the failure at line {recovered.finding.line} and went on: every rank "
-                         f"then said it finished (the last at line {finish.line}) and no worker exited with an "
-                         f"error; that failure is reported as recovered (check what the run skipped)")
+            who = ("the agent then said its worker group succeeded" if finish.stream.kind is StreamKind.LAUNCHER
+                   else "every rank then said it finished")
+            notes.append(f"the script caught the failure at line {recovered.finding.line} and went on: {who} "
+                         f"(line {finish.line}) and no worker exited with an error; that failure is reported as "
+                         f"recovered (check what the run skipped)")
         if recovered is None and root is not None and not failures and _finished_after_every_error(findings, facts):
             root, verdict = None, Verdict.OK
             notes.append("every error in the log is one the program went on from (it said it retried, skipped or "

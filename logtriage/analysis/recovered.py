@@ -10,6 +10,7 @@ from logtriage.analysis.childfailed import ChildFailure
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.roots import RootCause
 from logtriage.analysis.stopped import FINISHED_RULE
+from logtriage.catalog.rule import Category
 from logtriage.demux import launcher as L
 from logtriage.demux.streams import StreamKind
 
@@ -17,6 +18,8 @@ from logtriage.demux.streams import StreamKind
 # destructor "has NOT been destroyed", "destroy_process_group() was not called", NCCL's
 # "Destroy COMPLETE" as a communicator is torn down)
 _NOT_AN_END = re.compile(r"destroy", re.IGNORECASE)
+# torchelastic's agent (LOGLEVEL=INFO): every worker of its group exited 0
+_GROUP_SUCCEEDED = re.compile(r"worker group successfully finished|WorkerState\.SUCCEEDED")
 
 
 def restarted_then_finished(root: RootCause, findings: list[Finding], failures: list[ChildFailure],
@@ -49,13 +52,22 @@ def caught_then_finished(root: RootCause, findings: list[Finding], failures: lis
                          ranks: set[int]) -> Finding | None:
     """The last line saying a rank finished, when the script caught its errors, printed them and went
     on (`traceback.print_exc()` then `continue`): every rank of the run says it finished, after every
-    error its own stream shows and after every error no stream claims, and nothing of the launcher's
-    reports a failed worker (exit codes, a ChildFailedError); else None."""
-    if root.finding is None or failures or len(ranks) < 2:
+    error its own stream shows and after every error no stream claims, or the agent says its worker
+    group succeeded after every error; and nothing of the launcher's reports a failed worker (exit
+    codes, a ChildFailedError); else None."""
+    if root.finding is None or failures:
         return None
     if any(f.stream.kind is StreamKind.LAUNCHER and f.is_error and not f.is_teardown for f in findings):
         return None
     finishes = [f for f in findings if f.rule.id == FINISHED_RULE and not _NOT_AN_END.search(f.text)]
+    last_error = max((f.seq for f in findings if f.is_error and not f.is_teardown), default=-1)
+    agent_done = [f for f in finishes if f.stream.kind is StreamKind.LAUNCHER and _GROUP_SUCCEEDED.search(f.text)
+                  and f.seq > last_error]
+    # (an exception the workers caught: a NaN loss fails a run whose every worker exits 0)
+    if agent_done and root.finding.exception_type and root.rule.category is not Category.NUMERICAL:
+        return agent_done[0]     # the agent's own word that every worker of its group exited 0
+    if len(ranks) < 2:
+        return None
     last_finish = {f.rank: f.seq for f in finishes if f.rank is not None}
     if not finishes or not ranks <= last_finish.keys():
         return None

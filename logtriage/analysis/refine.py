@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from logtriage.analysis.findings import SRUN_TASK_NOTICE, Finding
 from logtriage.analysis.hangs import fallback_rule
-from logtriage.analysis.roots import RankFacts, RootCause
+from logtriage.analysis.roots import RankFacts, RootCause, earliest
 from logtriage.analysis.timeouts import missing_rank_root
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role, Rule
@@ -53,6 +53,23 @@ def peer_that_left(root: RootCause, findings: list[Finding], facts: RankFacts, c
     return RootCause(rule, None, peer, (peer,), 0.35, (
         f"rank {peer} printed no error, and every error found is another rank's peer connection "
         f"closing ({root.rule.id}): rank {peer} left first, without a message",))
+
+
+NODE_EXIT_RULE = "sched.srun_task_exit"
+
+
+def peers_over_node_exit(root: RootCause, findings: list[Finding]) -> RootCause:
+    """srun's `task N: Exited with exit code 1` where each srun task is a node's torchrun agent says only
+    that an agent failed; when the workers' own errors are all peers closing the connection, they are
+    the evidence to read (as without srun), and the peer that left is found from them."""
+    live = [f for f in findings if f.is_error and not f.is_teardown and f.stream.kind is StreamKind.RANK]
+    peers = [f for f in live if f.rule.id in PEER_LEFT_RULES and f.rank is not None]
+    if root.rule.id != NODE_EXIT_RULE or not peers or any(f.rule.id not in PEER_LEFT_RULES for f in live):
+        return root
+    first = earliest(peers)
+    return RootCause(first.rule, first, first.rank, (first.rank,), min(root.confidence, 0.3), (
+        "srun's task lines are the agents' exits (one torchrun per node); the workers' own errors are all a "
+        "peer closing the connection",))
 
 
 def _odd_one_out_in_progress(root: RootCause, facts: RankFacts) -> RootCause:

@@ -29,10 +29,16 @@ def stream_statuses(stats: dict[StreamKey, SlotStats], findings: list[Finding], 
     """Each stream's status and role: the root's ranks (in the root's attempt), the chain's cascade
     ranks, ranks with an error of their own, workers the launcher killed."""
     first_error: dict[StreamKey, Finding] = {}
+    # a launcher's line about a rank goes to that rank's own stream (named by its node under srun or pdsh)
+    rank_streams: dict[tuple[int, int], StreamKey] = {}
+    for key in sorted(stats):
+        if key.kind is StreamKind.RANK:
+            rank_streams.setdefault((key.rank, key.attempt), key)
     for f in findings:
         if f.is_error and not f.is_teardown:
             own = f.stream.kind is StreamKind.RANK or f.rank is None
-            key = f.stream if own else StreamKey(StreamKind.RANK, f.rank, f.stream.attempt)
+            key = f.stream if own else rank_streams.get((f.rank, f.stream.attempt),
+                                                        StreamKey(StreamKind.RANK, f.rank, f.stream.attempt))
             first_error.setdefault(key, f)
     # (rank, attempt) pairs; attempt None: every attempt (a launcher's line names no attempt)
     root_ranks = {(r, _attempt(root.finding)) for r in root.ranks} if root else set()

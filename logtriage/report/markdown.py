@@ -14,9 +14,9 @@ def render_markdown(report: Report) -> str:
     back = report.recovered
     if rc is None and back is not None:
         who = who_of(back.rank, back.ranks, back.stream, back.layer)
-        out += [f"## triage: {report.verdict} — recovered after a restart", "",
-                f"The run finished after torchrun restarted its workers. The failure it recovered from: "
-                f"{md(who)}: {md(back.title)}.", ""]
+        out += [f"## triage: {report.verdict} — recovered", "",
+                f"The run finished. The failure it recovered from (torchrun restarted the workers, or the script "
+                f"caught it and went on: see the notes): {md(who)}: {md(back.title)}.", ""]
         out += _root_table(back, who)
     elif rc is None:
         out += [f"## triage: {report.verdict}", "", f"No failure found in {report.input_lines} lines."]

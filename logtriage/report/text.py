@@ -46,7 +46,7 @@ def render_text(report: Report, color: bool = False) -> str:
     back = report.recovered
     if rc is None and back is not None:
         out.append(s.green(f"triage: {verdict}") + terminal_safe(
-            f" — the run finished after torchrun restarted its workers; it recovered from "
+            f" — the run finished; it recovered (a restart, or the script went on: see the notes) from "
             f"{who_of(back.rank, back.ranks, back.stream, back.layer)}: {_what(back)}"))
         out += ["", s.bold("Recovered failure") + "  " + " · ".join(_facts(back))]
         out += _where_and_why(back, s)
