@@ -121,4 +121,18 @@ class SlotTable:
                 out.append(StreamKey(StreamKind.RANK, pid_rank[key[1]], attempt_of_segment(key[2])))
             else:
                 out.append(StreamKey(StreamKind.UNATTRIBUTED))
-        return out
+        return _onto_hosts(out)
+
+
+def _onto_hosts(keys: list[StreamKey]) -> list[StreamKey]:
+    """A rank's lines that carry no node (the launcher summary's entry about it, a line its pid
+    names) join its stream on its node (`rank 2 @task0`), when every node's ranks are global: no
+    rank of an attempt is on two nodes."""
+    hosts: dict[tuple[int, int], set[str]] = {}
+    for key in keys:
+        if key.kind is StreamKind.RANK and key.host:
+            hosts.setdefault((key.rank, key.attempt), set()).add(key.host)
+    if not hosts or any(len(h) > 1 for h in hosts.values()):
+        return keys
+    return [StreamKey(StreamKind.RANK, k.rank, k.attempt, next(iter(hosts[(k.rank, k.attempt)])))
+            if k.kind is StreamKind.RANK and not k.host and (k.rank, k.attempt) in hosts else k for k in keys]
