@@ -23,7 +23,7 @@ FIXTURES = Path(__file__).resolve().parent / "data" / "hostile"
 # file -> (verdict, root rule category, rank, line, exception type); see data/hostile/README.md
 EXPECTED = {
     "escapes.log": ("failed", "python_exception", 1, 5, "KeyError"),
-    "mixed_encoding.log": ("failed", "checkpoint", 1, 4, "FileNotFoundError"),
+    "mixed_encoding.log": ("failed", "python_exception", 1, 4, "FileNotFoundError"),   # a data file (stop 28)
     "tqdm_glued.log": ("failed", "python_exception", 2, 3, "ValueError"),
     "garbled_prefixes.log": ("failed", "python_exception", 3, 10, "IndexError"),
     "only_prefixes.log": ("ok", None, None, None, None),
