@@ -12,7 +12,7 @@ from logtriage.analysis.diverged import different_collectives_at_one_seq
 from logtriage.analysis.environment import Environment, collect_environment
 from logtriage.analysis.exceptions import (checkpoint_io, error_file_exception, frame_reading,
                                            probe_json_without_banner, same_error_in_summary)
-from logtriage.analysis.findings import Finding, resolve_findings
+from logtriage.analysis.findings import Finding, resolve_findings, srun_tasks_are_nodes
 from logtriage.analysis.hangs import (
     fallback_rule,
     finished_then_stopped,
@@ -22,7 +22,7 @@ from logtriage.analysis.hangs import (
     world_incomplete,
 )
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid, shared_gpu
-from logtriage.analysis.recovered import caught_then_finished, restarted_then_finished
+from logtriage.analysis.recovered import GROUP_SUCCEEDED, caught_then_finished, restarted_then_finished
 from logtriage.analysis.refine import (
     PEER_LEFT_RULES,
     STOPPED_WHILE_WAITING,
@@ -82,7 +82,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     root = choose_root(findings, facts)
     if root is not None:
         root = spawn_report_yields(root, findings)
-    if root is not None and (scan.srun_tasks_are_nodes or any(f.local_rank is not None for f in failures)):
+    if root is not None and srun_tasks_are_nodes(scan, failures):
         root = peers_over_node_exit(root, findings)
     if root is not None and root.rule.id in PEER_LEFT_RULES:
         root = peer_that_left(root, findings, facts, catalog)
@@ -200,8 +200,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
                      recovered)
 
 
-_LAUNCHER_SUCCESS = re.compile(r"worker group successfully finished|WorkerState\.SUCCEEDED|"
-                               r"Process \d+ exits successfully")
+# the agent's word that its worker group succeeded, or DeepSpeed's launcher's for one process
+_LAUNCHER_SUCCESS = re.compile(f"{GROUP_SUCCEEDED.pattern}|Process \\d+ exits successfully")
 
 
 def _finished_after_every_error(findings: list[Finding], facts: RankFacts) -> bool:

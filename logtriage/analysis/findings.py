@@ -47,6 +47,14 @@ SELF_RANK_CAPTURES = ("self_rank", "pg_rank")
 _GLUED_NAME = re.compile(r"([\w.]{4,}?)\1+")
 # srun's notice of how a task (or tasks) ended: `srun: error: node01: task 3: Exited with exit code 1`
 SRUN_TASK_NOTICE = re.compile(r"\s*srun: error: \S+: tasks? [\d,-]+: ")
+
+
+def srun_tasks_are_nodes(scan: ScanResult, failures: list[ChildFailure]) -> bool:
+    """srun started torchrun agents (its labels say so, or torchelastic summarised the workers):
+    srun's `task N` is then a node's agent, not rank N."""
+    return scan.srun_tasks_are_nodes or any(f.local_rank is not None for f in failures)
+
+
 _BLOCK_KINDS_WITH_ONE_EVENT = frozenset({"traceback", "native", "cpp", "fault"})
 _RAISE_LINE = re.compile(r"^\s+raise\b")
 # `terminate called after throwing ...` only wraps what its `what():` line says: any other error
@@ -193,9 +201,7 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
     entry_rank = {(f.source, f.line): f.rank for f in failures} | {key: f.rank for key, f in error_files.items()}
     workers = [f for f in failures if f.rank is not None]
     entry_time = {(f.source, f.line): f.time for f in failures}
-    # srun started torchrun agents (its labels say so, or torchelastic summarised the workers):
-    # srun's `task N` is then a node's agent, not rank N
-    tasks_are_nodes = scan.srun_tasks_are_nodes or any(f.local_rank is not None for f in failures)
+    tasks_are_nodes = srun_tasks_are_nodes(scan, failures)
     findings = []
     for hit in sorted([*primary.values(), *extra], key=lambda h: h.seq):
         if scan.block_kinds.get(hit.block_id) == "ignored" and hit.rule.role is not Role.CONTEXT:

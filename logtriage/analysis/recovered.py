@@ -19,7 +19,7 @@ from logtriage.demux.streams import StreamKind
 # "Destroy COMPLETE" as a communicator is torn down)
 _NOT_AN_END = re.compile(r"destroy", re.IGNORECASE)
 # torchelastic's agent (LOGLEVEL=INFO): every worker of its group exited 0
-_GROUP_SUCCEEDED = re.compile(r"worker group successfully finished|WorkerState\.SUCCEEDED")
+GROUP_SUCCEEDED = re.compile(r"worker group successfully finished|WorkerState\.SUCCEEDED")
 
 
 def restarted_then_finished(root: RootCause, findings: list[Finding], failures: list[ChildFailure],
@@ -61,7 +61,7 @@ def caught_then_finished(root: RootCause, findings: list[Finding], failures: lis
         return None
     finishes = [f for f in findings if f.rule.id == FINISHED_RULE and not _NOT_AN_END.search(f.text)]
     last_error = max((f.seq for f in findings if f.is_error and not f.is_teardown), default=-1)
-    agent_done = [f for f in finishes if f.stream.kind is StreamKind.LAUNCHER and _GROUP_SUCCEEDED.search(f.text)
+    agent_done = [f for f in finishes if f.stream.kind is StreamKind.LAUNCHER and GROUP_SUCCEEDED.search(f.text)
                   and f.seq > last_error]
     # (an exception the workers caught: a NaN loss fails a run whose every worker exits 0)
     if agent_done and root.finding.exception_type and root.rule.category is not Category.NUMERICAL:
