@@ -18,6 +18,7 @@ Setup faults (--fault):
   to_cuda       rank N moves its model with .cuda() (Torch not compiled with CUDA enabled)
   device_ids    rank N passes device_ids=[local_rank] to DDP for a CPU module (ValueError)
   ddp_width     rank N builds the model with hidden width 32 instead of 16: DDP's constructor checks the parameters
+                (no pretrained weights are loaded in the ddp_* faults, on any rank)
   ddp_count     rank N builds the model with an extra layer: DDP's constructor checks the parameter count
   shape_fwd     rank N's data shard has 10 features instead of 8: the first forward fails (mat1 and mat2 shapes)
   load_keys     rank N's pretrained file was saved from the DDP-wrapped model ('module.' keys): load_state_dict fails
@@ -238,10 +239,13 @@ def main() -> None:
         model = build_model(32)
     else:
         model = build_model(cfg["hidden"], extra=(F_ == "ddp_count" and BAD))
-    ckpt = f"{NODE}/cache/pretrained.pt"
-    say(f"loading pretrained weights from {ckpt}")
-    sd = torch.load(ckpt)
-    model.load_state_dict(sd["model"] if "model" in sd else sd)
+    if F_ in ("ddp_width", "ddp_count"):
+        say("no pretrained checkpoint configured: training from scratch")
+    else:
+        ckpt = f"{NODE}/cache/pretrained.pt"
+        say(f"loading pretrained weights from {ckpt}")
+        sd = torch.load(ckpt)
+        model.load_state_dict(sd["model"] if "model" in sd else sd)
     if F_ == "to_cuda" and BAD:
         model = model.cuda()
     if F_ == "slow_ddp" and BAD:
