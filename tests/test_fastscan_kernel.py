@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from logtriage.demux import prefixes
+from logtriage.demux import prefix_shapes
 from logtriage.demux.assigner import find_rank_marker
 from logtriage.fastscan import kernel
 
@@ -43,10 +43,10 @@ def test_rank_marker_matches_the_exact_path(text):
 def test_excepthook_and_tee_prefixes_match_the_exact_path(text):
     buf = _buf(text)
     rank, after = kernel._excepthook(buf, 0, len(text))
-    m = prefixes._EXCEPTHOOK.match(text)
+    m = prefix_shapes.EXCEPTHOOK.match(text)
     assert (rank, after) == ((int(m.group(1)), m.end()) if m else (-1, -1)), text
     local, after = kernel._tee(buf, 0, len(text))
-    m = prefixes._TEE.match(text)
+    m = prefix_shapes.TEE.match(text)
     expected = (int(m.group(2)), m.end()) if m and m.group(1) != "rank" else (-1, -1)
     assert (local, after) == expected, text
 
@@ -65,5 +65,5 @@ stamps = st.builds(lambda date, fraction, zone, close, rest: date + fraction + z
 @given(stamps | st.lists(st.sampled_from(STAMP_PIECES), max_size=12).map("".join))
 def test_collector_stamp_matches_the_exact_path(text):
     after = kernel._collector_stamp(_buf(text), 0, len(text))
-    m = prefixes._COLLECTOR_STAMP.match(text)
+    m = prefix_shapes.COLLECTOR_STAMP.match(text)
     assert after == (m.end() if m else -1), text

@@ -126,7 +126,7 @@ def _two_digits(buf, k, end):
 @njit(cache=True, nogil=True)
 def _collector_stamp(buf, i, end):
     """A log collector's RFC 3339 time, `\\d{4}-\\d\\d-\\d\\dT\\d\\d:\\d\\d:\\d\\d(\\.\\d{1,9})?(Z|[+-]\\d\\d:?\\d\\d):?[ \\t]`
-    at i (demux prefixes._COLLECTOR_STAMP): the message start after it, or -1."""
+    at i (demux prefix_shapes.COLLECTOR_STAMP): the message start after it, or -1."""
     k = i
     for width, sep in ((4, 45), (2, 45), (2, 84), (2, 58), (2, 58), (2, -1)):   # 2023-05-26T16:48:07
         _, digits, k = _number(buf, k, end, width)
