@@ -11,7 +11,7 @@ Faults (what rank R's data or config does):
   fp16        step K's batch has an unnormalised sample (values ~300); the script's feature-energy term is
               computed in float16 on purpose (sum of squares > 65504 -> inf)
   bf16        the same in bfloat16 with a value ~1e20 (square > 3.4e38 -> inf)
-  lr          rank R reads its learning rate from a per-rank list, its entry 100x too large: its loss explodes
+  lr          rank R reads its learning rate from a per-rank list, its entry 1e2 (a typo for 1e-2): its loss explodes
   zero_norm   step K's batch has an all-zero (padding) sample; the norm feature sqrt(sum x^2) is finite (0) but its
               backward is 0/0 = NaN (loss finite, gradients NaN)
   metric      the eval metric (accuracy over valid samples) on rank R counts 0 samples at step K (0/0 = NaN); it
@@ -165,7 +165,7 @@ def main() -> None:
     lr = base_lr
     if a.fault == "lr":
         per_rank = [base_lr] * world
-        per_rank[a.rank] = base_lr * 100  # a config typo: 5.0 instead of 0.05
+        per_rank[a.rank] = 1e2  # a config typo: 1e2 instead of 1e-2
         lr = per_rank[rank]
         out.info(f"lr={lr:g} (from LR_PER_RANK)")
     opt = torch.optim.SGD(model.parameters(), lr=lr)
