@@ -12,8 +12,8 @@ Faults (what rank R's data or config does):
               computed in float16 on purpose (sum of squares > 65504 -> inf)
   bf16        the same in bfloat16 with a value ~1e20 (square > 3.4e38 -> inf)
   lr          rank R reads its learning rate from a per-rank list, its entry 1e2 (a typo for 1e-2): its loss explodes
-  zero_norm   step K's batch has an all-zero (padding) sample; the norm feature sqrt(sum x^2) is finite (0) but its
-              backward is 0/0 = NaN (loss finite, gradients NaN)
+  zero_norm   step K's batch has an all-zero (padding) sample; the weighted norm feature sqrt(sum gain*x^2) is finite (0)
+              but its backward to the learned gain is 0/0 = NaN (loss finite, gradients NaN)
   metric      the eval metric (accuracy over valid samples) on rank R counts 0 samples at step K (0/0 = NaN); it
               is all-reduced (a plain dist.all_reduce, not DDP) and every rank's reduced metric is NaN
   scale       from step K on rank R's shard has a unit error (values ~1e4); the script's own loss scaler
@@ -82,12 +82,16 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(9, 16), nn.ReLU(), nn.Linear(16, 1))
+        if a.fault == "zero_norm":
+            self.gain = nn.Parameter(torch.ones(8))  # learned per-feature weights of the norm feature
 
     def forward(self, x):
         if a.fault == "fp16":
             energy = x.half().pow(2).sum(-1, keepdim=True).float() * 1e-3
         elif a.fault == "bf16":
             energy = x.bfloat16().pow(2).sum(-1, keepdim=True).float() * 1e-3
+        elif a.fault == "zero_norm":
+            energy = torch.sqrt((x * x * self.gain).sum(-1, keepdim=True))  # d/dgain at a zero row: 0/0
         else:
             energy = torch.sqrt((x * x).sum(-1, keepdim=True))  # the feature norm
         return self.body(torch.cat([x, energy], dim=1))
