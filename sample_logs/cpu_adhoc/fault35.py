@@ -18,6 +18,7 @@ Faults (what rank R's data or config does):
               is all-reduced (a plain dist.all_reduce, not DDP) and every rank's reduced metric is NaN
   scale       from step K on rank R's shard has a unit error (values ~1e4); the script's own loss scaler
               (scale 64, halved on every overflow) skips every step until it is below its minimum
+  scale_once  the same unit error in step K's batch only: one overflow, one skipped step, then training goes on
 Reactions:
   silent      nothing: the loss prints nan/inf until the end, exit 0
   assert      assert torch.isfinite(loss) on every rank before backward (only the bad rank fails it)
@@ -75,6 +76,8 @@ def batch_for(rank: int, step: int, bad: bool):
             x[7] = 0.0
     if bad and f == "scale" and step >= a.step:
         x = x * 1e4
+    if bad and f == "scale_once" and step == a.step:
+        x = x * 1e4  # one batch with the unit error
     return x, y, mask
 
 
@@ -208,7 +211,7 @@ def main() -> None:
             time.sleep(25)  # a slow upload of the dump to shared storage
             raise FloatingPointError(f"loss is {lv} at step {step}")
         opt.zero_grad(set_to_none=True)
-        if a.fault == "scale":
+        if a.fault in ("scale", "scale_once"):
             (loss * scale).backward()
             overflow = any(not bool(torch.isfinite(q.grad.half()).all()) for q in model.parameters())
             if overflow:
