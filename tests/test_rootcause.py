@@ -1729,3 +1729,52 @@ def test_srun_task_exits_of_agents_yield_to_the_workers_lost_peers(tmp_path):
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("gloo.connection_closed", "collective_error", 2)
     # the agents' `failed (exitcode: 1) local_rank: N` lines join their ranks' own rows
     assert sorted(r["rank"] for r in report["ranks"]) == [0, 1, 2, 3, 4, 5]
+
+
+def test_ddp_model_check_on_every_rank_names_the_rank_whose_count_differs(tmp_path):
+    # torch 2.13 CPU run (sample_logs/cpu_adhoc/start_ddp_count_np6_r0_role): rank 0 built 6 parameter
+    # tensors, the others 4; every rank raises the same check, printed in the order 3, 2, 0, 1
+    frame = ('  File "/tmp/venv/lib/python3.11/site-packages/torch/distributed/utils.py", line 300, in '
+             '_verify_param_shape_across_processes\n')
+    text = ""
+    for rank, own, other, other_count in ((3, 4, 0, 6), (2, 4, 0, 6), (0, 6, 1, 4), (1, 4, 0, 6)):
+        text += "".join(f"[trainer{rank}]:[rank{rank}]: {line}\n" for line in (
+            "Traceback (most recent call last):", frame.rstrip("\n"),
+            "    return dist._verify_params_across_processes(process_group, tensors, logger)",
+            f"RuntimeError: DDP expects same model across all ranks, but Rank {rank} has {own} params, while "
+            f"rank {other} has inconsistent {other_count} params."))
+    rc = _report(tmp_path / "r.log", text)["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("ddp.param_shape_mismatch", "ddp_usage", 0)
+
+
+def test_a_bare_stop_iteration_is_the_ranks_exception(tmp_path):
+    # torch 2.13 CPU run (sample_logs/cpu_adhoc/start_loader_empty_np5_r0_plain): next(iter(loader)) on a
+    # shard smaller than one batch; the exception line is the type alone
+    text = "".join(f"[rank0]: {line}\n" for line in (
+        "Traceback (most recent call last):", '  File "/tmp/job/fault34.py", line 217, in load_data',
+        "    first = next(iter(loader))", "StopIteration"))
+    rc = _report(tmp_path / "r.log", text)["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"], rc["exception_type"], rc["line"]) == (
+        "python.exception", "python_exception", 0, "StopIteration", 4)
+
+
+def test_every_rank_saying_done_with_its_closing_figure_is_a_finished_run(tmp_path):
+    # torch 2.13 CPU run (sample_logs/cpu_adhoc/start_ctrl_warn_np4_rall_plain), exit 0 and no line of torchrun's
+    text = "".join(f"[rank {r}] step {s}/2 loss 1.{r}{s}\n" for s in (1, 2) for r in range(3))
+    text += "".join(f"[rank {r}] done, final loss 1.{r}2\n" for r in range(3))
+    assert _report(tmp_path / "r.log", text)["verdict"] == "ok"
+    stopped = text.replace("done, final loss", "done loading, final loss")
+    assert _report(tmp_path / "s.log", stopped)["verdict"] == "hung"
+
+
+def test_a_stop_iteration_a_generator_turned_into_runtime_error_yields_to_it(tmp_path):
+    # torch 2.13 CPU run (sample_logs/cpu_adhoc/gen_stopiter_np4_r3_runmodule): PEP 479 chains the
+    # generator's StopIteration to `RuntimeError: generator raised StopIteration`, which ends the rank
+    text = "".join(f"[rank3]: {line}\n" for line in (
+        "Traceback (most recent call last):", '  File "/tmp/job/fault.py", line 40, in batches',
+        "    yield next(it)", "StopIteration", "",
+        "The above exception was the direct cause of the following exception:", "",
+        "Traceback (most recent call last):", '  File "/tmp/job/fault.py", line 80, in main',
+        "    for batch in batches(loader):", "RuntimeError: generator raised StopIteration"))
+    rc = _report(tmp_path / "r.log", text)["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["exception_type"], rc["line"]) == ("python.exception", 3, "RuntimeError", 11)

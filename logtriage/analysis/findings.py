@@ -333,7 +333,14 @@ def _best_per_traceback(findings: list[Finding], block_kinds: dict[int, str]) ->
     # a frame's code line (`raise RendezvousConnectionError(`) names the error too; the exception
     # line of the same block is the one to report
     said = {(f.block_id, f.rule.id) for f in kept if f.block_id >= 0 and not _RAISE_LINE.match(f.text)}
-    return [f for f in kept if not (_RAISE_LINE.match(f.text) and (f.block_id, f.rule.id) in said)]
+    kept = [f for f in kept if not (_RAISE_LINE.match(f.text) and (f.block_id, f.rule.id) in said)]
+    # PEP 479: a StopIteration that leaves a generator becomes `RuntimeError: generator raised
+    # StopIteration`, chained after it; that RuntimeError is the exception the rank died of
+    converted = {f.block_id for f in kept if f.block_id >= 0 and _STOP_CONVERTED.search(f.text)}
+    return [f for f in kept if not (f.block_id in converted and f.captures.get("exception_type", "").startswith("Stop"))]
+
+
+_STOP_CONVERTED = re.compile(r"RuntimeError: (?:async )?(?:generator|coroutine) raised Stop(?:Async)?Iteration")
 
 
 def _launcher_rank(hit: Hit, entry_rank: dict, workers: list[ChildFailure]) -> tuple[int | None, str]:

@@ -153,6 +153,20 @@ def mismatch_odd_one_out(live: list[Finding]) -> int | None:
     return odd_one_out(prints)
 
 
+def model_odd_one_out(live: list[Finding]) -> int | None:
+    """DDP's constructor check: each rank names its own parameter count and one other rank's
+    (`Rank 3 has 4 params, while rank 0 has inconsistent 6 params`). The rank whose count differs
+    from all the others' built a different model; every rank raising the same error hides it."""
+    counts: dict[int, str] = {}
+    for f in live:
+        c = f.captures
+        if f.rule.id != "ddp.param_shape_mismatch" or "self_rank" not in c or "other_rank" not in c:
+            continue
+        counts.setdefault(int(c["self_rank"]), c.get("params"))
+        counts.setdefault(int(c["other_rank"]), c.get("other_params"))
+    return odd_one_out(counts)
+
+
 def odd_one_out(by_rank: Mapping[int, Hashable]) -> int | None:
     """Of three or more ranks, the one whose value (a collective's fingerprint, the input shape a
     framework's shape check lists for each process) differs from all the others', which agree."""

@@ -15,7 +15,7 @@ from dataclasses import replace
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.lived_through import launcher_reports, lived_through, progress_after, ranks_by_rule
 from logtriage.analysis.rank_evidence import (all_exited_alike, lone_speaker, mismatch_odd_one_out, missing_from_barrier,
-                                              odd_one_out, rank_from_exit_codes, rank_reporting_the_same,
+                                              model_odd_one_out, odd_one_out, rank_from_exit_codes, rank_reporting_the_same,
                                               rank_the_launcher_saw_fail, rank_the_timeouts_wait_for, refine_rank)
 from logtriage.analysis.roots import ChainLink, ChainRole, RankFacts, RootCause, earliest
 from logtriage.analysis.timeouts import missing_rank_root, named_culprit
@@ -337,6 +337,11 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
     if odd is not None and first.category is Category.COLLECTIVE_MISMATCH:
         return RootCause(first.rule, first, odd, (odd,), confidence, (
             f"rank {odd} ran a different collective (op, shape or dtype) from every other rank",))
+    odd = model_odd_one_out(live) if first.category is Category.DDP_USAGE else None
+    if odd is not None:
+        return RootCause(first.rule, first, odd, (odd,), confidence, (
+            f"rank {odd} built a different model: its parameter count differs from every other rank's, "
+            "which agree",))
     culprit = named_culprit(live)
     if culprit is not None and first.category in (Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR,
                                                   Category.COLLECTIVE_MISMATCH):
