@@ -1778,3 +1778,37 @@ def test_a_stop_iteration_a_generator_turned_into_runtime_error_yields_to_it(tmp
         "    for batch in batches(loader):", "RuntimeError: generator raised StopIteration"))
     rc = _report(tmp_path / "r.log", text)["root_cause"]
     assert (rc["rule_id"], rc["rank"], rc["exception_type"], rc["line"]) == ("python.exception", 3, "RuntimeError", 11)
+
+
+def test_a_loss_still_nan_at_the_last_step_is_no_recovery_though_every_rank_finished(tmp_path):
+    # torch 2.13 CPU run (sample_logs/cpu_adhoc/num_divzero_silent_np4_r3_plain): rank 2's loss goes NaN,
+    # DDP spreads it, every rank prints `loss nan` to the end, says it finished and exits 0
+    text = "".join(f"rank {r} step 1/3 loss 1.{r}\n" for r in range(3)) + "rank 2 step 2/3 loss nan\n"
+    text += "".join(f"rank {r} step 2/3 loss 1.{r}\n" for r in (0, 1))
+    text += "".join(f"rank {r} step 3/3 loss nan\n" for r in range(3))
+    text += "".join(f"rank {r}: training finished\n" for r in range(3))
+    report = _report(tmp_path / "r.log", text)
+    assert (report["verdict"], report["root_cause"]["rule_id"], report["root_cause"]["rank"]) == (
+        "failed", "numerical.loss_nan", 2)
+    healed = text.replace("rank 0 step 3/3 loss nan", "rank 0 step 3/3 loss 0.9").replace(
+        "rank 1 step 3/3 loss nan", "rank 1 step 3/3 loss 0.8").replace("rank 2 step 3/3 loss nan", "rank 2 step 3/3 loss 0.7")
+    assert _report(tmp_path / "h.log", healed)["verdict"] == "ok"   # a NaN the run got over
+
+
+def test_a_loss_that_went_inf_before_the_grad_norm_is_the_first_sign(tmp_path):
+    # torch 2.13 CPU run (sample_logs/cpu_adhoc/num_lr_silent_np4_r0_hf), the HF Trainer's log dicts
+    text = "".join(f"{{'loss': {loss}, 'grad_norm': {norm}, 'learning_rate': 100.0, 'epoch': {e}}}\n"
+                   for loss, norm, e in (("1.42", "2.5", 0.1), ("5.2e+31", "3.6e+15", 0.2), ("inf", "8.7e+18", 0.3),
+                                         ("inf", "inf", 0.4)))
+    rc = _report(tmp_path / "r.log", text + "training finished\n")["root_cause"]
+    assert (rc["rule_id"], rc["line"]) == ("numerical.loss_nan", 3)
+
+
+def test_a_nan_loss_on_the_last_steps_bar_is_no_recovery(tmp_path):
+    # torch 2.13 CPU run (sample_logs/cpu_adhoc/num_nan_silent_np3_r1_plain): tqdm bars with no rank label end
+    # at 8/8 with loss=nan, then every rank says it finished and torchrun exits 0
+    bar = "train: 100%|██████████| 8/8 [00:02<00:00,  3.16it/s, gnorm=nan, loss=nan]\n"
+    text = "".join(f"rank {r} step 1/8 loss 1.{r}\n" for r in range(3)) + bar + bar
+    text += "".join(f"rank {r}: training finished\n" for r in range(3))
+    report = _report(tmp_path / "r.log", text)
+    assert (report["verdict"], report["root_cause"]["rule_id"]) == ("failed", "numerical.loss_nan")

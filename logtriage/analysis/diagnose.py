@@ -171,13 +171,20 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
             verdict = Verdict.HUNG if root is not None else Verdict.OK
     recovered = None
     if verdict is Verdict.FAILED and root is not None:
+        # a NaN the script printed and went on from is no recovery while a rank's last progress line
+        # (or the last one no rank claims) still shows a non-finite value, or where the NaN itself is
+        # printed at the last step: the run finished, training a broken model
+        diverged = root.rule.category is Category.NUMERICAL and (any(
+            _NON_FINITE.search(s.last_step_text) for k, s in stream_stats.items()
+            if k.kind in (StreamKind.RANK, StreamKind.UNATTRIBUTED)) or (
+            root.finding is not None and _AT_THE_LAST_STEP.search(root.finding.text) is not None))
         finish = restarted_then_finished(root, findings, failures, {k.attempt for k in keys})
         if finish is not None:
             recovered, root, verdict = root, None, Verdict.OK
             notes.append(f"torchrun restarted the workers after the failure at line {recovered.finding.line} "
                          f"and the run then finished (line {finish.line}): the job succeeded; that failure is "
                          f"reported as recovered")
-        finish = None if recovered else caught_then_finished(
+        finish = None if recovered or diverged else caught_then_finished(
             root, findings, failures, {k.rank for k in keys if k.kind is StreamKind.RANK and k.rank >= 0})
         if finish is not None:
             recovered, root, verdict = root, None, Verdict.OK
@@ -186,7 +193,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
             notes.append(f"the script caught the failure at line {recovered.finding.line} and went on: {who} "
                          f"(line {finish.line}) and no worker exited with an error; that failure is reported as "
                          f"recovered (check what the run skipped)")
-        if recovered is None and root is not None and not failures and _finished_after_every_error(findings, facts):
+        if recovered is None and root is not None and not failures and not diverged \
+                and _finished_after_every_error(findings, facts):
             root, verdict = None, Verdict.OK
             notes.append("every error in the log is one the program went on from (it said it retried, skipped or "
                          "fell back, or every rank printed it and trained on), and the run then finished")
@@ -200,6 +208,10 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
                      recovered)
 
 
+# a value printed as not finite (`loss nan`, `grad_norm=inf`, `'loss': -inf`)
+_NON_FINITE = re.compile(r"(?i)(?<![\w.])[-+]?(?:nan|inf)(?![\w.])")
+# a counter at its end (`8/8`, a tqdm bar's `100%|...| 8/8`): the line is the run's last step
+_AT_THE_LAST_STEP = re.compile(r"(?<![\d/])(\d{1,9})/\1(?![\d/])")
 # the agent's word that its worker group succeeded, or DeepSpeed's launcher's for one process
 _LAUNCHER_SUCCESS = re.compile(f"{GROUP_SUCCEEDED.pattern}|Process \\d+ exits successfully")
 

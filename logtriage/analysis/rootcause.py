@@ -41,6 +41,7 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
         [f for f in findings if f.is_error and not f.is_teardown], findings)))
     live = _final_attempt(lived_through(live, facts))
     roots = [f for f in live if f.role is Role.ROOT_CANDIDATE and not _reports_death_after_own_error(f, live)]
+    roots = _numerical_signs_first(roots, live)
     if roots:
         before = _errors_before_stop(roots, live)
         if before:
@@ -75,6 +76,22 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
         return RootCause(first.rule, first, first.rank, ranks, 0.3,
                          ("only consequences were found; the initiating error is not in this log",))
     return None
+
+
+def _numerical_signs_first(roots: list[Finding], live: list[Finding]) -> list[Finding]:
+    """A NaN reading logged (a non-finite grad norm) after its stream already printed a non-finite
+    loss reports that loss's consequence: the loss's line, the first sign, stands in for it (a loss
+    that diverged to inf, then the gradients did). A check that raised (`clip_grad_norm_`'s
+    error_if_nonfinite) stays the root: it is what ended the rank."""
+    out: list[Finding] = []
+    for root in roots:
+        if root.category is Category.NUMERICAL and not root.exception_type:
+            signs = [f for f in live if f.role is Role.EITHER and f.category is Category.NUMERICAL
+                     and f.stream == root.stream and f.seq < root.seq]
+            root = min(signs, key=lambda f: f.seq) if signs else root
+        if all(root is not f for f in out):
+            out.append(root)
+    return out
 
 
 # what a job stopped by the scheduler shows as its stop, not as an error of its own
