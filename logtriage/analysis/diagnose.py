@@ -42,7 +42,8 @@ from logtriage.analysis.refine import (
     unique_id_host_left,
     unsent_sigterms,
 )
-from logtriage.analysis.rootcause import build_chain, choose_root, warning_root, went_on_from_every_error
+from logtriage.analysis.live_errors import went_on_from_every_error
+from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
 from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_named_ranks, group_destroyed,
                                               oom_on_shared_gpu, spawn_report_yields, timer_reaped, unresolved_host,
                                               waited_for_a_crash, writer_behind_readers)

@@ -9,11 +9,10 @@ only consequences left, collective timeouts point at the rank that is missing fr
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
-from logtriage.analysis.lived_through import launcher_reports, lived_through, progress_after, ranks_by_rule
+from logtriage.analysis.live_errors import EXIT_RULE, live_errors
 from logtriage.analysis.rank_evidence import (all_exited_alike, lone_speaker, mismatch_odd_one_out, missing_from_barrier,
                                               model_odd_one_out, odd_one_out, rank_from_exit_codes, rank_reporting_the_same,
                                               rank_the_launcher_saw_fail, rank_the_timeouts_wait_for, refine_rank)
@@ -24,22 +23,8 @@ from logtriage.catalog.rule import Category, Role, Severity
 from logtriage.demux.streams import StreamKind
 
 
-# a line saying the program carried on with a substitute ("falling back to torch.optim.AdamW")
-FALLBACK_RULE = "context.fallback"
-FALLBACK_REACH = 3   # input lines after an error within which such a line is its recovery
-FALLBACK_STREAM_REACH = 30   # the same, for a line of the error's own rank (others' lines between them)
-EXIT_RULE = "signal.exit_nonzero"   # a worker's exit code, and nothing else about it
-# a process re-raising what its DataParallel replica, DataLoader worker or pin-memory thread raised
-# (torch's ExceptionWrapper; "in background" is its default)
-_RERAISE = re.compile(r"\bCaught \w+ in (?:replica \d+ on device \d+|DataLoader worker process \d+"
-                      r"|pin memory thread for device \d+|background)\.?\s*$")
-RERAISE_REACH = 200   # input lines after the re-raise within which its original traceback ends
-
-
 def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
-    live = _after_store_lost(_without_reraise_wrappers(_not_recovered(
-        [f for f in findings if f.is_error and not f.is_teardown], findings)))
-    live = _final_attempt(lived_through(live, facts))
+    live = live_errors(findings, facts)
     roots = [f for f in live if f.role is Role.ROOT_CANDIDATE and not _reports_death_after_own_error(f, live)]
     roots = _numerical_signs_first(roots, live)
     if roots:
@@ -98,75 +83,6 @@ def _numerical_signs_first(roots: list[Finding], live: list[Finding]) -> list[Fi
 _STOP_ECHOES = frozenset({Category.EXTERNAL_STOP, Category.CRASH_SIGNAL, Category.UNKNOWN, Category.HANG})
 
 
-def _without_reraise_wrappers(live: list[Finding]) -> list[Finding]:
-    """DataParallel's and the DataLoader's re-raise (`RuntimeError: Caught RuntimeError in replica 0
-    on device 0.`) is followed by the `Original Traceback` whose own error says more: the wrapper
-    yields to an error found there."""
-    wrappers = [f for f in live if _RERAISE.search(f.text)]
-    if not wrappers:
-        return live
-    dropped = {id(w) for w in wrappers
-               if any(g.source == w.source and 0 < g.line - w.line <= RERAISE_REACH and not _RERAISE.search(g.text)
-                      and _in_original_traceback(g) for g in live)}
-    return [f for f in live if id(f) not in dropped]
-
-
-def _in_original_traceback(finding: Finding) -> bool:
-    """Whether a finding after a re-raise can be the original error: not the launcher's report of
-    the process's exit (an inner error no rule knows leaves the wrapper as the root)."""
-    return finding.attributed_by != "launcher" and finding.rule.id != EXIT_RULE \
-        and finding.category is not Category.UNKNOWN
-
-
-KEEPALIVE_RULE = "dist.rendezvous_keepalive_lost"
-RENDEZVOUS_RULE = "dist.rendezvous_connection"
-
-
-def _final_attempt(live: list[Finding]) -> list[Finding]:
-    """After `--max-restarts`, the errors of the last attempt that failed of its own accord: the
-    failure the run ended on (an earlier attempt's, which torchrun restarted the workers from, is
-    in the chain), without the launcher's reports from before it; a stall (its timeouts) counts.
-    An attempt whose workers only lost their peers, or could not form the group again (gloo's connectFullMesh refused: the
-    restarted workers read the last attempt's addresses from the agent's store), failed of the
-    earlier attempt's failure."""
-    own = [f for f in live if f.stream.kind is StreamKind.RANK and f.rule.id not in _RESTART_ECHOES
-           and (f.role is not Role.CASCADE_CANDIDATE or f.category is Category.COLLECTIVE_TIMEOUT)]
-    last = max((f.stream.attempt for f in own), default=0)
-    if not last:
-        return live
-    begun = min(f.seq for f in own if f.stream.attempt == last)
-    return [f for f in live if (f.stream.attempt == last if f.stream.kind is StreamKind.RANK
-                                else f.seq >= begun or f.stream.kind is not StreamKind.LAUNCHER)]
-
-
-_RESTART_ECHOES = frozenset({"gloo.connect_full_mesh"})
-
-
-def _after_store_lost(live: list[Finding]) -> list[Finding]:
-    """An agent whose rendezvous keep-alive already failed (the store's host went away) then fails
-    to shut the rendezvous down for the same reason: that later RendezvousConnectionError of the
-    launcher is the same loss, not a root of its own. Nor is an agent's lost rendezvous after
-    workers' collectives had failed (timed out, or lost a peer): the store's host, another node's
-    agent, went away with that failure (each node's console captured on its own). Before them, the
-    lost store is what the workers' lost peers follow from (the store's node died)."""
-    lost = [f.seq for f in live if f.rule.id == KEEPALIVE_RULE]
-    # (a worker's own line, or its error file in its agent's summary)
-    failed = [f for f in live if f.rank is not None and f.category in _IN_COLLECTIVES]
-    if not lost and not failed:
-        return live
-    return [f for f in live if not (f.rule.id == RENDEZVOUS_RULE and f.stream.kind is StreamKind.LAUNCHER
-                                    and ((lost and f.seq > min(lost)) or any(_came_before(g, f) for g in failed)))]
-
-
-def _came_before(a: Finding, b: Finding) -> bool:
-    """By their stamps where both have comparable ones, else by input order."""
-    order = clearly_before(a.stamp, b.stamp)
-    return a.seq < b.seq if order is None else order
-
-
-_IN_COLLECTIVES = frozenset({Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR})
-
-
 def _notice_of_own_exit(finding: Finding, either: list[Finding]) -> bool:
     """A launcher's notice that a node or task exited non-zero (its category unknown), for a rank
     (or, naming none, a node) whose worker's own exit code the log also holds."""
@@ -196,27 +112,6 @@ def _reports_death_after_own_error(finding: Finding, live: list[Finding]) -> boo
         return False
     return any(other.rank == finding.rank and other.stream.kind is StreamKind.RANK and other.seq < finding.seq
                and other.category is not Category.CRASH_SIGNAL for other in live)
-
-
-def _not_recovered(live: list[Finding], findings: list[Finding]) -> list[Finding]:
-    """Errors the program recovered from (a failed optional build followed by "falling back to
-    ...") did not end the run, unless nothing else went wrong."""
-    marks = [f for f in findings if f.rule.id == FALLBACK_RULE]
-    if not marks:
-        return live
-    # right after the error, or a little later in the same rank's stream (other ranks' lines between)
-    kept = [f for f in live if not any(m.source == f.source and 0 <= m.line - f.line <= (
-        FALLBACK_STREAM_REACH if m.stream == f.stream and m.stream.kind is StreamKind.RANK else FALLBACK_REACH)
-        for m in marks)]
-    return kept or live
-
-
-def went_on_from_every_error(findings: list[Finding], facts: RankFacts) -> bool:
-    """Every error of the log is one its rank (or, for a line no rank claims, every rank) went on
-    training from, or one the program said it recovered from."""
-    live = _not_recovered([f for f in findings if f.is_error and not f.is_teardown], findings)
-    reports, sharers = launcher_reports(live), ranks_by_rule(live)
-    return all(progress_after(f, facts, reports, sharers) for f in live)
 
 
 def warning_root(findings: list[Finding]) -> RootCause | None:
