@@ -1812,3 +1812,39 @@ def test_a_nan_loss_on_the_last_steps_bar_is_no_recovery(tmp_path):
     text += "".join(f"rank {r}: training finished\n" for r in range(3))
     report = _report(tmp_path / "r.log", text)
     assert (report["verdict"], report["root_cause"]["rule_id"]) == ("failed", "numerical.loss_nan")
+
+
+def test_a_json_records_escaped_traceback_gives_its_exception(tmp_path):
+    # torch 2.13 CPU run (sample_logs/cpu_adhoc/fmt_json_key_np5_r4_tee and fmt_json_nan_np3_r0_plain): one JSON
+    # record per line, the traceback one escaped string in "exc_info"
+    def record(rank: int, last: str) -> str:
+        return ('{"ts": "2026-12-02T21:33:35.619", "level": "ERROR", "rank": %d, "msg": "step failed", "exc_info": '
+                '"Traceback (most recent call last):\\n  File \\"/tmp/job/fault36.py\\", line 138, in train_step\\n'
+                '    loss = F.mse_loss(out, b[\\"y\\"])\\n%s"}\n' % (rank, last))
+    rc = _report(tmp_path / "k.log", "[default2]:" + record(2, "KeyError: 'y'"))["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["exception_type"]) == ("python.exception", 2, "KeyError")
+    rc = _report(tmp_path / "n.log", "[default0]:" + record(0, "FloatingPointError: loss is nan at step 3"))["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["exception_type"]) == ("numerical.loss_nan", 0, "FloatingPointError")
+
+
+def test_errors_as_renderers_print_them(tmp_path):
+    # torch 2.13 CPU runs of sample_logs/cpu_adhoc/fmt_*: a script's one-line excepthook, a record logged with its
+    # header on every traceback line, rich's traceback that wraps the message below `RuntimeError: `
+    rc = _report(tmp_path / "h.log", "[rank2]: [rank 2] FATAL RuntimeError('[/__w/pytorch/pytorch/third_party/gloo/gloo/"
+                 "transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5531.')\n"
+                 "[rank3]: [rank 3] FATAL KeyError('y') at fault36.py:138\n")["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["exception_type"]) == ("python.exception", 3, "KeyError")
+    head = "[default7]:2026-12-02 21:39:13,183 ERROR   [rank 7] "
+    text = "".join(head + line + "\n" for line in (
+        "train: step failed", "Traceback (most recent call last):", '  File "/tmp/job/fault36.py", line 144, in train_step',
+        '    raise FloatingPointError(f"loss is {loss.item()} at step {step}")',
+        "FloatingPointError: loss is nan at step 3"))
+    rc = _report(tmp_path / "l.log", text)["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["line"], rc["exception_type"]) == ("numerical.loss_nan", 7, 5, "FloatingPointError")
+    text = "".join(f"[default|r2] [rank2]: {line}\n" for line in (
+        "╭──── Traceback (most recent call last) ────╮", "│ /tmp/job/fault36.py:173 in main            │",
+        "╰───────────────────────────────────────────╯", "RuntimeError: ",
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] ",
+        "Timed out waiting 15000ms for recv operation to complete"))
+    rc = _report(tmp_path / "r.log", text)["root_cause"]
+    assert (rc["rule_id"], rc["line"]) == ("gloo.timeout", 6)   # (a timeout alone: the rank is the one it waited for)

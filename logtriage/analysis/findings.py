@@ -153,20 +153,34 @@ def exception_type_of(text: str) -> str | None:
     """`torch.OutOfMemoryError` of `torch.OutOfMemoryError: CUDA out of memory...`, else None;
     also after Markdown emphasis (`**OSError: ...**`), the agent's glog header (`E0422 05:07:49.013000
     204 .../api.py:732] RuntimeError: ...`) or vLLM's logger header (`ERROR 10-14 12:32:47
-    multiproc_worker_utils.py:233] torch.OutOfMemoryError: ...`) or in pytest's short summary
-    (`FAILED tests/test_x.py::test_y - RuntimeError: ...`), in an error file's `"message"` field, or
-    as the exception's repr (`RuntimeError('...')`)."""
+    multiproc_worker_utils.py:233] torch.OutOfMemoryError: ...`) or a logging record's time and level
+    (`2026-12-02 21:39:13,183 ERROR   [rank 7] FloatingPointError: ...`) or in pytest's short summary
+    (`FAILED tests/test_x.py::test_y - RuntimeError: ...`), in an error file's `"message"` field, at
+    the end of a JSON log record's escaped traceback, or as the exception's repr (`RuntimeError('...')`)."""
     glog = PY_GLOG.match(text)
     if glog:
         text = glog.group(7)
     else:
-        logger = _VLLM_LOGGER.match(text) or _PYTEST_SUMMARY.match(text) or _ERROR_FILE_MESSAGE.match(text)
+        logger = (_VLLM_LOGGER.match(text) or _PYTEST_SUMMARY.match(text) or _ERROR_FILE_MESSAGE.match(text)
+                  or _LOGGING_HEADER.match(text))
         text = text[logger.end():] if logger else text
     text = text.lstrip(" \t").lstrip("*_`")   # indented: an error file's, in the launcher's summary
+    if text[:1] == "{":
+        m = _JSON_TRACEBACK_END.search(text)
+        if m:
+            return unglued(m.group(1))
     m = EXCEPTION_HEAD.match(text) or _EXCEPTION_REPR.match(text)
     if not m:
         return None
     return unglued(m.group(1))
+
+
+# a logging record's time and level (and a script's rank label) in front of each line of a traceback it logged
+_LOGGING_HEADER = re.compile(r"^\[?\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?\]?\s+(?:-\s+)?(?:[\w.]+\s+-\s+)?"
+                             r"(?:ERROR|CRITICAL|FATAL)\s+(?:-\s+)?(?:\[rank ?\d+\]\s+)?")
+# a JSON log record's traceback, one escaped string: its last line, the one that ends the string
+_JSON_TRACEBACK_END = re.compile(r'\\n((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Failure|Fault|Interrupt|Iteration))'
+                                 r'(?::(?:[^"\\]|\\[^n])*)?(?:\\n)?"')
 
 
 def unglued(name: str) -> str:
@@ -234,7 +248,8 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
                                 scan.block_checkpoint_frames.get(hit.block_id, ""), frame,
                                 scan.block_broadcast_sources.get(hit.block_id), frame_file))
     findings = _logged_going_on(mark_went_on(findings), scan.blocks, scan.block_kinds)
-    findings = _best_per_traceback(_before_the_handler(findings, scan.block_handling_lines), scan.block_kinds)
+    findings = _logged_then_said(_message_wrapped_below(
+        _best_per_traceback(_before_the_handler(findings, scan.block_handling_lines), scan.block_kinds)))
     return attribute_by_signal(findings, failures)
 
 
@@ -300,6 +315,39 @@ def _before_the_handler(findings: list[Finding], handling: dict[int, int]) -> li
     if not own:
         return findings
     dropped = {id(g) for block in own for g in then[block]}
+    return [f for f in findings if id(f) not in dropped]
+
+
+LOGGED_RECORD_REACH = 40   # lines of its stream below a logged error that its record's traceback may fill
+
+
+def _logged_then_said(findings: list[Finding]) -> list[Finding]:
+    """A record logged at ERROR level (`step failed`) with the traceback under it, each line behind the
+    record's own header (a formatter on every line): the error a rule reads in that traceback, not a
+    consequence, says what the record only announced; the record yields to it."""
+    logged = [f for f in findings if f.rule.id == LOGGED_ERROR and f.is_error]
+    if not logged:
+        return findings
+    dropped = {id(f) for f in logged if any(
+        g.stream == f.stream and g.source == f.source and 0 < g.line - f.line <= LOGGED_RECORD_REACH
+        and g.is_error and g.rule.id != LOGGED_ERROR and g.role is not Role.CASCADE_CANDIDATE for g in findings)}
+    return [f for f in findings if id(f) not in dropped]
+
+
+WRAPPED_MESSAGE_REACH = 3   # lines of its stream below an exception line that its wrapped message may fill
+
+
+def _message_wrapped_below(findings: list[Finding]) -> list[Finding]:
+    """An exception line with no message (`RuntimeError: `: a renderer such as rich's traceback wrapped
+    the message onto the next lines) says what a rule found in those lines: it yields to that finding
+    (gloo's `Timed out waiting 15000ms ...` two lines below)."""
+    bare = [f for f in findings if f.rule.id == "python.exception" and not f.captures.get("message", "").strip()
+            and f.text.rstrip().endswith(":")]
+    if not bare:
+        return findings
+    dropped = {id(f) for f in bare if any(
+        g.stream == f.stream and g.source == f.source and 0 < g.line - f.line <= WRAPPED_MESSAGE_REACH
+        and g.is_error and g.rule.id != "python.exception" for g in findings)}
     return [f for f in findings if id(f) not in dropped]
 
 
