@@ -205,13 +205,13 @@ def main():
             b = io.BytesIO()
             torch.save(model.state_dict(), b)
             if rank == a.rank:
-                time.sleep(0.5)
                 with open(ckpt, "wb") as f:
                     f.write(b.getvalue())
                 say(rank, f"saved {ckpt}; reloading to verify")
-                time.sleep(0.5)
+                time.sleep(1)
                 model.load_state_dict(torch.load(ckpt))
             else:
+                time.sleep(0.5)
                 say(rank, f"saving {ckpt}")
                 slow_write(ckpt, b.getvalue(), 3)
         if s == 4 and F_ == "notdir":
