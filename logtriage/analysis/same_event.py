@@ -1,0 +1,154 @@
+"""Several findings that read one event: a traceback's exception and the more specific line a rule
+found in it, a logged ERROR record and the traceback logged under it, an exception line whose message a
+renderer wrapped onto the next lines, a chained traceback's two exceptions; and a record that says the
+program goes on. One reading of each event is kept (analysis/findings.py builds them)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from logtriage.catalog.rule import Role
+
+if TYPE_CHECKING:
+    from logtriage.analysis.findings import Finding
+    from logtriage.scan import ScanResult
+
+LOGGED_ERROR = "python.logged_error"
+LOSS_NAN = "numerical.loss_nan"   # `loss is nan, skipping step 2`: a step skipped, training goes on
+_BLOCK_KINDS_WITH_ONE_EVENT = frozenset({"traceback", "native", "cpp", "fault"})
+_RAISE_LINE = re.compile(r"^\s+raise\b")
+# `terminate called after throwing ...` only wraps what its `what():` line says: any other error
+# read in the same block (a CUDA error, a watchdog timeout) is the event
+_WRAPPER_RULES = frozenset({"signal.native_terminate"})
+
+
+def one_reading_per_event(findings: list[Finding], scan: ScanResult) -> list[Finding]:
+    """The findings with one reading kept per event, and the records that say the program goes on
+    (and the tracebacks logged under them) marked as gone on from."""
+    findings = _logged_going_on(findings, scan.blocks, scan.block_kinds)
+    return _logged_then_said(_message_wrapped_below(
+        _best_per_traceback(_before_the_handler(findings, scan.block_handling_lines), scan.block_kinds)))
+
+
+_GOING_ON = re.compile(r"\b(?:continu(?:e|es|ing)|retry(?:ing)?|will retry|skipp(?:ing|ed)|fall(?:ing)? ?back"
+                       r"|ignor(?:e|es|ed|ing)|disabled|without (?:metrics|logging|telemetry|wandb|tensorboard))\b",
+                       re.IGNORECASE)
+
+
+def _logged_going_on(findings: list[Finding], blocks: dict[int, tuple[int, int, int]],
+                     block_kinds: dict[int, str]) -> list[Finding]:
+    """A record logged at ERROR level, or a non-finite loss, that says the program carries on
+    (`metrics server unreachable ...; continuing without metrics`, `loss is nan, skipping step 2`) is no
+    failure of the run, and neither is the traceback logged right under it
+    (`logger.exception("eval hook failed; continuing")`)."""
+    going = {(f.source, f.line): f for f in findings
+             if f.rule.id in (LOGGED_ERROR, LOSS_NAN) and _GOING_ON.search(f.text)}
+    if not going:
+        return findings
+    out = []
+    for f in findings:
+        block = blocks.get(f.block_id) if f.block_id >= 0 and block_kinds.get(f.block_id) == "traceback" else None
+        record = going.get((block[0], block[1] - 1)) if block is not None and f.is_error else None
+        if (f.source, f.line) in going or (record is not None and record.rule.id == LOGGED_ERROR
+                                           and record.stream == f.stream):
+            f = replace(f, went_on=True)
+        out.append(f)
+    return out
+
+
+def _before_the_handler(findings: list[Finding], handling: dict[int, int]) -> list[Finding]:
+    """In a traceback chained by "During handling of the above exception, another exception
+    occurred", a library usually raises its own, plainer error about the first (a KeyError read as
+    "model type not recognised"); but where the same second error also follows a lost peer on another
+    rank (a Connection closed by peer handled the same way), it is the handler's own failure (an
+    emergency checkpoint into a missing folder, a barrier the others never reach), whatever the
+    first exception was: then each such traceback is read by its first exception."""
+    if not handling:
+        return findings
+    first: dict[int, list[Finding]] = {}
+    then: dict[int, list[Finding]] = {}
+    for f in findings:
+        if f.block_id in handling and f.is_error and not f.is_teardown:
+            (first if f.line < handling[f.block_id] else then).setdefault(f.block_id, []).append(f)
+    after_a_lost_peer = {g.rule.id for block, found in first.items() if block in then
+                         and all(f.role is Role.CASCADE_CANDIDATE for f in found) for g in then[block]}
+    own = {block for block in first.keys() & then.keys() if any(g.rule.id in after_a_lost_peer for g in then[block])}
+    if not own:
+        return findings
+    dropped = {id(g) for block in own for g in then[block]}
+    return [f for f in findings if id(f) not in dropped]
+
+
+LOGGED_RECORD_REACH = 40   # lines of its stream below a logged error that its record's traceback may fill
+
+
+def _logged_then_said(findings: list[Finding]) -> list[Finding]:
+    """A record logged at ERROR level (`step failed`) with the traceback under it, each line behind the
+    record's own header (a formatter on every line): the error a rule reads in that traceback, not a
+    consequence, says what the record only announced; the record yields to it."""
+    logged = [f for f in findings if f.rule.id == LOGGED_ERROR and f.is_error]
+    if not logged:
+        return findings
+    dropped = {id(f) for f in logged if any(
+        g.stream == f.stream and g.source == f.source and 0 < g.line - f.line <= LOGGED_RECORD_REACH
+        and g.is_error and g.rule.id != LOGGED_ERROR and g.role is not Role.CASCADE_CANDIDATE for g in findings)}
+    return [f for f in findings if id(f) not in dropped]
+
+
+WRAPPED_MESSAGE_REACH = 3   # lines of its stream below an exception line that its wrapped message may fill
+
+
+def _message_wrapped_below(findings: list[Finding]) -> list[Finding]:
+    """An exception line with no message (`RuntimeError: `: a renderer such as rich's traceback wrapped
+    the message onto the next lines) says what a rule found in those lines: it yields to that finding
+    (gloo's `Timed out waiting 15000ms ...` two lines below)."""
+    bare = [f for f in findings if f.rule.id == "python.exception" and not f.captures.get("message", "").strip()
+            and f.text.rstrip().endswith(":")]
+    if not bare:
+        return findings
+    dropped = {id(f) for f in bare if any(
+        g.stream == f.stream and g.source == f.source and 0 < g.line - f.line <= WRAPPED_MESSAGE_REACH
+        and g.is_error and g.rule.id != "python.exception" for g in findings)}
+    return [f for f in findings if id(f) not in dropped]
+
+
+def _best_per_traceback(findings: list[Finding], block_kinds: dict[int, str]) -> list[Finding]:
+    """A traceback (or a C++ abort with its `what():` line) is one event: keep its most specific
+    error finding (a `Missing key(s)` line explains the generic `RuntimeError: Error(s) in
+    loading state_dict` line above it; a watchdog `what():` explains `terminate called`)."""
+    best: dict[int, int] = {}
+    wrapped: set[int] = set()
+    # a Python traceback whose exception a rule knows as a root: an abort printed after it as the
+    # process exits (`terminate called without an active exception`: a thread left running) is
+    # its aftermath, not a more specific reading of it
+    cascade_lines = {(f.block_id, f.line) for f in findings if f.role is Role.CASCADE_CANDIDATE}
+    rooted: dict[int, int] = {}     # block -> the line of its exception read as a root
+    for f in findings:
+        if (f.block_id >= 0 and f.is_error and f.role is Role.ROOT_CANDIDATE
+                and block_kinds.get(f.block_id) == "traceback" and (f.block_id, f.line) not in cascade_lines):
+            rooted[f.block_id] = min(rooted.get(f.block_id, f.line), f.line)
+    for f in findings:
+        if f.block_id >= 0 and f.is_error and not f.is_teardown and block_kinds.get(f.block_id) in _BLOCK_KINDS_WITH_ONE_EVENT:
+            if f.role is Role.CASCADE_CANDIDATE and f.line > rooted.get(f.block_id, f.line):
+                continue
+            if f.rule.id in _WRAPPER_RULES:
+                best.setdefault(f.block_id, -1)
+            else:
+                best[f.block_id] = max(best.get(f.block_id, -1), f.rule.priority)
+                wrapped.add(f.block_id)
+    kept = [f for f in findings
+            if not (f.block_id in best and f.is_error and not f.is_teardown
+                    and (f.rule.priority < best[f.block_id] or (f.rule.id in _WRAPPER_RULES and f.block_id in wrapped)))]
+    # a frame's code line (`raise RendezvousConnectionError(`) names the error too; the exception
+    # line of the same block is the one to report
+    said = {(f.block_id, f.rule.id) for f in kept if f.block_id >= 0 and not _RAISE_LINE.match(f.text)}
+    kept = [f for f in kept if not (_RAISE_LINE.match(f.text) and (f.block_id, f.rule.id) in said)]
+    # PEP 479: a StopIteration that leaves a generator becomes `RuntimeError: generator raised
+    # StopIteration`, chained after it; that RuntimeError is the exception the rank died of
+    converted = {f.block_id for f in kept if f.block_id >= 0 and _STOP_CONVERTED.search(f.text)}
+    return [f for f in kept if not (f.block_id in converted and f.captures.get("exception_type", "").startswith("Stop"))]
+
+
+_STOP_CONVERTED = re.compile(r"RuntimeError: (?:async )?(?:generator|coroutine) raised Stop(?:Async)?Iteration")
