@@ -143,28 +143,28 @@ def _first_step_per_rank(findings: list[Finding]) -> dict[int, int]:
 def mismatch_odd_one_out(live: list[Finding]) -> int | None:
     """With DETAIL, each rank names its own collective fingerprint and another rank's. The rank
     whose fingerprint differs from the majority's is the one running different code or data."""
-    prints: dict[int, tuple] = {}
-    for f in live:
-        c = f.captures
-        if f.rule.id != "dist.collective_mismatch" or "self_rank" not in c or "other_rank" not in c:
-            continue
-        prints.setdefault(int(c["self_rank"]), (c.get("op"), c.get("shape"), c.get("dtype")))
-        prints.setdefault(int(c["other_rank"]), (c.get("other_op"), c.get("other_shape"), c.get("other_dtype")))
-    return odd_one_out(prints)
+    return odd_one_out(_named_by_rank(live, "dist.collective_mismatch", ("op", "shape", "dtype"),
+                                      ("other_op", "other_shape", "other_dtype")))
 
 
 def model_odd_one_out(live: list[Finding]) -> int | None:
     """DDP's constructor check: each rank names its own parameter count and one other rank's
     (`Rank 3 has 4 params, while rank 0 has inconsistent 6 params`). The rank whose count differs
     from all the others' built a different model; every rank raising the same error hides it."""
-    counts: dict[int, str] = {}
+    return odd_one_out(_named_by_rank(live, "ddp.param_shape_mismatch", ("params",), ("other_params",)))
+
+
+def _named_by_rank(live: list[Finding], rule_id: str, own: tuple[str, ...], other: tuple[str, ...]) -> dict[int, tuple]:
+    """What a rule's lines say of their own rank (the `own` captures) and of the other rank they
+    name (the `other` captures), by rank; the first saying of each rank counts."""
+    values: dict[int, tuple] = {}
     for f in live:
         c = f.captures
-        if f.rule.id != "ddp.param_shape_mismatch" or "self_rank" not in c or "other_rank" not in c:
+        if f.rule.id != rule_id or "self_rank" not in c or "other_rank" not in c:
             continue
-        counts.setdefault(int(c["self_rank"]), c.get("params"))
-        counts.setdefault(int(c["other_rank"]), c.get("other_params"))
-    return odd_one_out(counts)
+        values.setdefault(int(c["self_rank"]), tuple(c.get(k) for k in own))
+        values.setdefault(int(c["other_rank"]), tuple(c.get(k) for k in other))
+    return values
 
 
 def odd_one_out(by_rank: Mapping[int, Hashable]) -> int | None:

@@ -82,6 +82,7 @@ def _before_the_handler(findings: list[Finding], handling: dict[int, int]) -> li
 
 
 LOGGED_RECORD_REACH = 40   # lines of its stream below a logged error that its record's traceback may fill
+WRAPPED_MESSAGE_REACH = 3   # lines of its stream below an exception line that its wrapped message may fill
 
 
 def _logged_then_said(findings: list[Finding]) -> list[Finding]:
@@ -89,15 +90,8 @@ def _logged_then_said(findings: list[Finding]) -> list[Finding]:
     record's own header (a formatter on every line): the error a rule reads in that traceback, not a
     consequence, says what the record only announced; the record yields to it."""
     logged = [f for f in findings if f.rule.id == LOGGED_ERROR and f.is_error]
-    if not logged:
-        return findings
-    dropped = {id(f) for f in logged if any(
-        g.stream == f.stream and g.source == f.source and 0 < g.line - f.line <= LOGGED_RECORD_REACH
-        and g.is_error and g.rule.id != LOGGED_ERROR and g.role is not Role.CASCADE_CANDIDATE for g in findings)}
-    return [f for f in findings if id(f) not in dropped]
-
-
-WRAPPED_MESSAGE_REACH = 3   # lines of its stream below an exception line that its wrapped message may fill
+    return _yield_to_below(findings, logged, LOGGED_RECORD_REACH,
+                           lambda g: g.rule.id != LOGGED_ERROR and g.role is not Role.CASCADE_CANDIDATE)
 
 
 def _message_wrapped_below(findings: list[Finding]) -> list[Finding]:
@@ -106,11 +100,17 @@ def _message_wrapped_below(findings: list[Finding]) -> list[Finding]:
     (gloo's `Timed out waiting 15000ms ...` two lines below)."""
     bare = [f for f in findings if f.rule.id == "python.exception" and not f.captures.get("message", "").strip()
             and f.text.rstrip().endswith(":")]
-    if not bare:
+    return _yield_to_below(findings, bare, WRAPPED_MESSAGE_REACH, lambda g: g.rule.id != "python.exception")
+
+
+def _yield_to_below(findings: list[Finding], announcing: list[Finding], reach: int, says_more) -> list[Finding]:
+    """The findings without each of `announcing` that has, within `reach` lines below it in its own
+    stream, an error finding that `says_more` accepts."""
+    if not announcing:
         return findings
-    dropped = {id(f) for f in bare if any(
-        g.stream == f.stream and g.source == f.source and 0 < g.line - f.line <= WRAPPED_MESSAGE_REACH
-        and g.is_error and g.rule.id != "python.exception" for g in findings)}
+    dropped = {id(f) for f in announcing if any(
+        g.stream == f.stream and g.source == f.source and 0 < g.line - f.line <= reach
+        and g.is_error and says_more(g) for g in findings)}
     return [f for f in findings if id(f) not in dropped]
 
 
