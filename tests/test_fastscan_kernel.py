@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from logtriage.demux import prefix_shapes
 from logtriage.demux.assigner import find_rank_marker
-from logtriage.fastscan import kernel
+from logtriage.fastscan import kernel_markers, kernel_prefixes
 
 PIECES = ["rank", "Rank", "RANK", "global_", "global ", "Global", "[", "]", ":", "=", "#", "|", ",",
           "(", ")", ">", "/", " ", "  ", "0", "7", "12", "123456789", "1234567890", "123456789012", "1234567890123", "x", "step 3", "]:", "default",
@@ -31,7 +31,7 @@ def _buf(text: str) -> np.ndarray:
 @settings(max_examples=5000, deadline=None)
 @given(texts | shaped)
 def test_rank_marker_matches_the_exact_path(text):
-    found = kernel._marker(_buf(text), 0, len(text), np.empty(8, dtype=np.int64))
+    found = kernel_markers.marker(_buf(text), 0, len(text), np.empty(8, dtype=np.int64))
     if found == -2:
         return   # more than 8 "rank" words: the fast scan hands the line to the exact path
     expected = find_rank_marker(text)
@@ -42,10 +42,10 @@ def test_rank_marker_matches_the_exact_path(text):
 @given(texts | shaped)
 def test_excepthook_and_tee_prefixes_match_the_exact_path(text):
     buf = _buf(text)
-    rank, after = kernel._excepthook(buf, 0, len(text))
+    rank, after = kernel_prefixes.excepthook(buf, 0, len(text))
     m = prefix_shapes.EXCEPTHOOK.match(text)
     assert (rank, after) == ((int(m.group(1)), m.end()) if m else (-1, -1)), text
-    local, after = kernel._tee(buf, 0, len(text))
+    local, after = kernel_prefixes.tee(buf, 0, len(text))
     m = prefix_shapes.TEE.match(text)
     expected = (int(m.group(2)), m.end()) if m and m.group(1) != "rank" else (-1, -1)
     assert (local, after) == expected, text
@@ -64,6 +64,6 @@ stamps = st.builds(lambda date, fraction, zone, close, rest: date + fraction + z
 @settings(max_examples=3000, deadline=None)
 @given(stamps | st.lists(st.sampled_from(STAMP_PIECES), max_size=12).map("".join))
 def test_collector_stamp_matches_the_exact_path(text):
-    after = kernel._collector_stamp(_buf(text), 0, len(text))
+    after = kernel_prefixes.collector_stamp(_buf(text), 0, len(text))
     m = prefix_shapes.COLLECTOR_STAMP.match(text)
     assert after == (m.end() if m else -1), text
