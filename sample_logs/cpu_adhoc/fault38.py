@@ -16,6 +16,7 @@ Faults (rank N at step K, before the step's forward/backward, i.e. before DDP's 
   fh_all       faulthandler.dump_traceback_later(--fh, exit=True) re-armed each step on every rank; rank N sleeps
   end_join     after training rank N joins a non-daemon 'final eval' thread that never ends, before the final
                barrier the others are already in
+  --quiet      the stalled rank prints no line before its stall (nor after)
   slow_ok      control: rank N's step K takes --slow s (a sleep, heartbeats go on), then all finish
 """
 import _thread, argparse, datetime, faulthandler, os, queue, sys, threading, time
@@ -37,6 +38,7 @@ p.add_argument("--wd-first", default="stalled")
 p.add_argument("--mb-timeout", type=int, default=8)
 p.add_argument("--fh", type=float, default=10)
 p.add_argument("--slow", type=float, default=8)
+p.add_argument("--quiet", action="store_true")
 a = p.parse_args()
 F_ = a.fault
 
@@ -82,6 +84,8 @@ def watchdog(rank, limit):
 
 
 def stall(rank, step):
+    if a.quiet:  # no line before the stall
+        globals()["say"] = lambda *x: None
     if F_ == "sleep":
         say(rank, f"step {step}: fetching shard {step} from object store")
         time.sleep(600)
