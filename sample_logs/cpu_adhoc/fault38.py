@@ -12,7 +12,8 @@ Faults (rank N at step K, before the step's forward/backward, i.e. before DDP's 
   queue        queue.Queue().get() with no producer
   deadlock     two threading.Locks taken in opposite order by the main thread and a helper thread
   early_exit   rank N returns from main after step K-1 and exits 0 (prints a plain 'shard done' line)
-  monitored    every step ends in dist.monitored_barrier(timeout=--mb-timeout); rank N sleeps at step K
+  monitored    every step ends in dist.monitored_barrier(timeout=--mb-timeout); rank N sleeps at step K after
+               the all-reduce, before the barrier (before 2 Dec 01:10 the sleep came before the forward)
   fh_all       faulthandler.dump_traceback_later(--fh, exit=True) re-armed each step on every rank; rank N sleeps
   end_join     after training rank N joins a non-daemon 'final eval' thread that never ends, before the final
                barrier the others are already in
@@ -144,7 +145,7 @@ def main():
         if F_ == "early_exit" and rank == a.rank and step == a.step:
             say(rank, f"shard done after {step - 1} steps")
             return
-        if rank == a.rank and step == a.step:
+        if rank == a.rank and step == a.step and F_ != "monitored":
             stall(rank, step)
         x = torch.randn(16, 8, generator=g)
         y = torch.randn(16, 4, generator=g)
@@ -157,6 +158,8 @@ def main():
         opt.step()
         if F_ == "monitored":
             mark(step, "barrier")
+            if rank == a.rank and step == a.step:
+                stall(rank, step)  # after the all-reduce, before the monitored barrier
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=a.mb_timeout))
         if a.fmt == "a":
             say(rank, f"step {step} loss {loss.item():.4f}")
