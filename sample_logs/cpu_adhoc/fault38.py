@@ -13,7 +13,7 @@ Faults (rank N at step K, before the step's forward/backward, i.e. before DDP's 
   deadlock     two threading.Locks taken in opposite order by the main thread and a helper thread
   early_exit   rank N returns from main after step K-1 and exits 0 (prints a plain 'shard done' line)
   monitored    every step ends in dist.monitored_barrier(timeout=--mb-timeout); rank N sleeps at step K after
-               the all-reduce, before the barrier (before 2 Dec 01:10 the sleep came before the forward)
+               the all-reduce, before the barrier (before 1438c4ef the sleep came before the forward)
   fh_all       faulthandler.dump_traceback_later(--fh, exit=True) re-armed each step on every rank; rank N sleeps
   end_join     after training rank N joins a non-daemon 'final eval' thread that never ends, before the final
                barrier the others are already in
