@@ -13,7 +13,8 @@ from logtriage.ingest.sources import discover
 from logtriage.redact import Redactor, redact_report
 from logtriage.report.build import build_report
 from logtriage.report.model import Report
-from logtriage.scan import ScanResult, scan
+from logtriage.scan import scan
+from logtriage.scan_result import ScanResult
 
 
 @dataclass(frozen=True)

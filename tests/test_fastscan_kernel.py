@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logtriage.demux import prefix_shapes
-from logtriage.demux.assigner import find_rank_marker
+from logtriage.demux.line_marks import find_rank_marker
 from logtriage.fastscan import kernel_markers, kernel_prefixes
 
 PIECES = ["rank", "Rank", "RANK", "global_", "global ", "Global", "[", "]", ":", "=", "#", "|", ",",

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from logtriage.demux.assigner import Assigner, pieces_of
+from logtriage.demux.assigner import Assigner
+from logtriage.demux.line_marks import pieces_of
 from logtriage.demux.clean import clean, decode
 from logtriage.demux.launcher import LauncherFacts
 from logtriage.demux.prefixes import Dialect, strip_prefixes

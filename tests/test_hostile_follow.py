@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from logtriage.follow import LineSplitter
+from logtriage.follow_inputs import LineSplitter
 from logtriage.ingest.reader import MAX_LINE, TAIL, iter_raw_lines
 from logtriage.ingest.sources import Source
 from tests.fuzz.budget import TRIED, fuzz_settings

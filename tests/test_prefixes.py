@@ -235,7 +235,7 @@ def test_a_script_naming_itself_on_every_rank_is_not_a_host():
 def test_launcher_labels_stay_on_every_glued_piece():
     # pdsh labels a host's every line: both ranks' output glued on it are that host's
     # (sample_logs/cpu_matrix/*pdsh_nodes_tee3*); an MPI tag before a torch prefix is one piece
-    from logtriage.demux.assigner import pieces_of
+    from logtriage.demux.line_marks import pieces_of
     line = "worker-1: [default1]:[rank 4] step 3 loss nan[default0]:[rank 3] step 3 loss 0.2"
     dialect = Dialect.detect([line] * 6)
     assert pieces_of(line, dialect) == ["worker-1: [default1]:[rank 4] step 3 loss nan",

@@ -7,14 +7,14 @@ import re
 from dataclasses import dataclass, replace
 
 from logtriage.analysis.abort_rank import launcher_named_rank
-from logtriage.analysis.childfailed import ChildFailure, is_own_failure, parse_child_failures
+from logtriage.analysis.childfailed import ChildFailure, parse_child_failures
 from logtriage.analysis.diverged import different_collectives_at_one_seq
 from logtriage.analysis.environment import Environment, collect_environment
 from logtriage.analysis.exceptions import (checkpoint_io, error_file_exception, frame_reading,
                                            probe_json_without_banner, same_error_in_summary)
+from logtriage.analysis.fallback_roots import cut_traceback, exit_only_root, unrecognised_exception
 from logtriage.analysis.findings import Finding, resolve_findings, srun_tasks_are_nodes
 from logtriage.analysis.hangs import (
-    fallback_rule,
     finished_then_stopped,
     hang_from_progress,
     stalled_in_nccl_init,
@@ -23,39 +23,40 @@ from logtriage.analysis.hangs import (
 )
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid, shared_gpu
 from logtriage.analysis.recovered import GROUP_SUCCEEDED, caught_then_finished, restarted_then_finished
+from logtriage.analysis.rank_facts import first_progress, merge_stats, rank_facts
 from logtriage.analysis.refine import (
     PEER_LEFT_RULES,
     STOPPED_WHILE_WAITING,
     abort_after_dump_signal,
-    agent_sigkills,
-    exit_rule,
-    hangup_forwarded,
     oom_device_rank,
     peer_that_left,
     peers_over_node_exit,
+    stopped_while_waiting,
+    store_wait_after_progress,
+    unique_id_host_left,
+)
+from logtriage.analysis.live_errors import went_on_from_every_error
+from logtriage.analysis.signal_readings import (
+    agent_sigkills,
+    hangup_forwarded,
     sigkill_on_gpu_job,
     stop_after_task_failure,
     stop_for_memory,
-    stopped_while_waiting,
-    store_wait_after_progress,
     teardown_only,
-    unique_id_host_left,
     unsent_sigterms,
 )
-from logtriage.analysis.live_errors import went_on_from_every_error
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
 from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_named_ranks, group_destroyed,
                                               oom_on_shared_gpu, spawn_report_yields, timer_reaped, unresolved_host,
                                               waited_for_a_crash, writer_behind_readers)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
-from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, message_of, output_stopped, stalled_before_stop,
+from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, output_stopped, stalled_before_stop,
                                         still_retrying, stuck_after_warning, unknown_error_line)
 from logtriage.analysis.roots import ChainLink, RankFacts, RootCause, Verdict
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role
 from logtriage.demux.streams import StreamKey, StreamKind
-from logtriage.ingest.lines import read_lines
-from logtriage.scan import ScanResult, SlotStats
+from logtriage.scan_result import ScanResult
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     failures = parse_child_failures(scan.launcher_lines)
     findings = agent_sigkills(unsent_sigterms(attribute_by_nccl_pid(resolve_findings(scan, keys, failures)), catalog,
                                               frozenset(scan.facts.teardown_pids)), catalog)
-    stream_stats = _merge_stats(scan, keys)
-    facts = _rank_facts(stream_stats, failures, findings, scan.world_size)
+    stream_stats = merge_stats(scan, keys)
+    facts = rank_facts(stream_stats, failures, findings, scan.world_size)
     root = choose_root(findings, facts)
     if root is not None:
         root = spawn_report_yields(root, findings)
@@ -111,24 +112,24 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = dcp_named_ranks(root, findings, scan.block_exceptions)
         root = probe_json_without_banner(root, bool(scan.banner_lines), catalog)
         root = different_collectives_at_one_seq(root, findings, catalog)
-        root = store_wait_after_progress(root, findings, facts, _first_progress(stream_stats), catalog)
+        root = store_wait_after_progress(root, findings, facts, first_progress(stream_stats), catalog)
         root = group_destroyed(root, {k.rank for k, s in stream_stats.items()
                                       if k.kind is StreamKind.RANK and s.last_step is not None}, catalog)
     if root is None:
         root = hangup_forwarded(findings, catalog)
     if root is None:
         context_lines = {(f.source, f.line) for f in findings if f.rule.role is Role.CONTEXT}
-        root = _unrecognised_exception(scan, keys, catalog, context_lines)
+        root = unrecognised_exception(scan, keys, catalog, context_lines)
     if root is None and (failures or "traceback" in scan.block_kinds.values()):
         root = warning_root(findings)
     if root is None and failures:
-        root = _exit_only_root(failures, catalog)
+        root = exit_only_root(failures, catalog)
     if root is not None and failures:
         root = same_error_in_summary(error_file_exception(root, failures, catalog), failures, catalog)
     if root is not None:
         root = writer_behind_readers(root, findings)
     if root is None:
-        root = _cut_traceback(scan, keys, catalog)
+        root = cut_traceback(scan, keys, catalog)
     if root is None:
         root = teardown_only(findings)
     root = shared_gpu(root, findings, catalog)
@@ -229,129 +230,11 @@ def _finished_after_every_error(findings: list[Finding], facts: RankFacts) -> bo
     return went_on_from_every_error(findings, facts)
 
 
-def _merge_stats(scan: ScanResult, keys: list[StreamKey]) -> dict[StreamKey, SlotStats]:
-    merged: dict[StreamKey, SlotStats] = {}
-    for slot, stats in scan.stats.items():
-        key = keys[scan.slots.final(slot)]
-        into = merged.setdefault(key, SlotStats())
-        into.lines += stats.lines
-        if stats.first_line and (into.first_line is None or stats.first_line < into.first_line):
-            into.first_line = stats.first_line
-        if stats.last_step_line and (into.last_step_line is None or stats.last_step_line > into.last_step_line):
-            into.last_step, into.last_step_line, into.last_step_text = stats.last_step, stats.last_step_line, stats.last_step_text
-        if stats.first_step_line and (into.first_step_line is None or stats.first_step_line < into.first_step_line):
-            into.first_step_line = stats.first_step_line
-    return merged
-
-
-SHAPES_RULE = "context.process_shapes"   # accelerate's per-process shapes under a mismatch
-
-
-def _rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure], findings: list[Finding],
-                world_size: int | None) -> RankFacts:
-    speaking = {k.rank for k, s in stats.items() if k.kind is StreamKind.RANK and s.lines}
-    known = set(speaking)
-    known |= {f.rank for f in failures if f.rank is not None}
-    known |= {f.rank for f in findings if f.rank is not None}
-    if world_size and world_size <= 65536 and (not known or max(known) < world_size):
-        known |= set(range(world_size))
-    elif known and max(known) <= 65536:
-        known |= set(range(max(known) + 1))   # ranks count from 0: the ones below a rank seen exist too
-    exit_codes = {f.rank: f.exitcode for f in failures if f.rank is not None and f.exitcode is not None}
-    completed: set[int] = set()
-    if failures:
-        failed = {f.rank for f in failures}
-        errored = {f.rank for f in findings if f.is_error and not f.is_teardown}
-        completed = known - failed - errored
-    last_step: dict[int, int] = {}
-    for key, s in stats.items():
-        if key.kind is StreamKind.RANK and s.last_step is not None:
-            last_step[key.rank] = s.last_step
-    summary_root = next((f.rank for f in reversed(failures) if f.is_root_cause), None)
-    shapes = {int(f.captures["process"]): f.captures["shape"] for f in findings
-              if f.rule.id == SHAPES_RULE and f.captures.get("process", "").isdigit()}
-    progress = {key: (s.last_step_line[0], (s.first_step_line or s.last_step_line)[1], s.last_step_line[1],
-                      s.last_step_text)
-                for key, s in stats.items() if key.kind is StreamKind.RANK and s.last_step_line is not None}
-    return RankFacts(frozenset(known), exit_codes, frozenset(completed), last_step, summary_root, frozenset(speaking),
-                     shapes, progress)
-
-
-def _first_progress(stats: dict[StreamKey, SlotStats]) -> tuple[int, int] | None:
-    """Where the earliest stream's last progress line is: before it, the run had started training."""
-    lines = [s.last_step_line for s in stats.values() if s.last_step_line]
-    return min(lines) if lines else None
-
-
 def _interrupted_frames(scan: ScanResult) -> list[str]:
     """Innermost functions of tracebacks that were interrupted (KeyboardInterrupt) or cut short."""
     return [scan.block_last_frames[b] for b, kind in scan.block_kinds.items()
             if kind == "traceback" and b in scan.block_last_frames
             and "KeyboardInterrupt" in (scan.block_exceptions.get(b) or "KeyboardInterrupt")]
-
-
-def _exit_only_root(failures: list[ChildFailure], catalog: Catalog) -> RootCause | None:
-    own = [f for f in failures if is_own_failure(f.exitcode)]
-    if not own:
-        return None
-    first = next((f for f in own if f.is_root_cause), own[0])
-    rule = exit_rule(catalog)
-    return RootCause(rule, None, first.rank, (first.rank,) if first.rank is not None else (), 0.3,
-                     (f"rank {first.rank} exited with code {first.exitcode}; its output holds no error",))
-
-
-def _unrecognised_exception(scan: ScanResult, keys: list[StreamKey], catalog: Catalog,
-                            context_lines: set[tuple[int, int]]) -> RootCause | None:
-    """A traceback whose exception no rule knows (a type without an Error/Exception suffix): the
-    last such exception of a worker is the report, never an empty one for a failed run. An
-    exception a context rule reads (a thread's error as the interpreter shuts down) is not one."""
-    for block_id in sorted(scan.block_exception_lines, reverse=True):
-        slot = scan.block_slots.get(block_id)
-        exception = scan.block_exceptions.get(block_id, "")
-        if slot is None or not exception:
-            continue
-        stream = keys[scan.slots.final(slot)]
-        if stream.kind is StreamKind.LAUNCHER:
-            continue
-        source, line = scan.block_exception_lines[block_id]
-        if (source, line) in context_lines:
-            continue
-        name = exception.split(":", 1)[0].strip()
-        rule = catalog.get("python.exception") or fallback_rule("python.exception", Category.PYTHON_EXCEPTION,
-                                                                "Unhandled Python exception")
-        finding = Finding(rule, {"exception_type": name}, source, line, stream, stream.rank_or_none, exception,
-                          block_id, scan.seq + 1, None, "stream", exception)
-        return RootCause(rule, finding, finding.rank, (finding.rank,) if finding.rank is not None else (), 0.5,
-                         (f"no rule knows this exception; {name} ended the traceback",))
-    return None
-
-
-def _cut_traceback(scan: ScanResult, keys: list[StreamKey], catalog: Catalog) -> RootCause | None:
-    """A worker's traceback that stops before its exception line: the run failed, with an error
-    the log does not hold (never an OK report for a log with a traceback in it)."""
-    for block_id in sorted(scan.blocks, reverse=True):
-        slot = scan.block_slots.get(block_id)
-        if scan.block_kinds.get(block_id) != "traceback" or scan.block_exceptions.get(block_id) or slot is None:
-            continue
-        stream = keys[scan.slots.final(slot)]
-        source, first, last = scan.blocks[block_id]
-        if stream.kind is StreamKind.LAUNCHER or last - first < 2:
-            continue
-        checkpoint = scan.block_checkpoint_frames.get(block_id, "")
-        rule_id = "ckpt.io_error" if checkpoint else "python.traceback_cut"   # cut inside torch.load, a save
-        rule = catalog.get(rule_id) or fallback_rule(
-            "python.traceback_cut", Category.UNKNOWN, "A traceback without its exception line")
-        # the block's first line: `Traceback (most recent call last):`, or a frame when the paste cut that
-        head = read_lines(scan.sources[source], scan.indexes[source], [first]).get(first, "")
-        text = message_of(head) or "Traceback (most recent call last):"
-        finding = Finding(rule, {}, source, first, stream, stream.rank_or_none, text,
-                          block_id, scan.seq + 1, None, last_frame=scan.block_last_frames.get(block_id, ""))
-        rank = finding.rank
-        inside = f", inside `{checkpoint}`: saving or loading a checkpoint failed" if checkpoint else ""
-        return RootCause(rule, finding, rank, (rank,) if rank is not None else (), 0.3, (
-            f"the traceback at line {first} stops at line {last} before its exception line{inside}; "
-            "the error itself was cut from this log",))
-    return None
 
 
 def _child_failed_notes(failures: list[ChildFailure], root: RootCause | None) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from logtriage.demux.assigner import PROBE
+from logtriage.demux.line_marks import PROBE
 from logtriage.demux.blocks import BANNER_TITLE
 
 _RELEASE = re.compile(r"^NVIDIA Release (\S+)(?: \(build (\d+)\))?")

@@ -21,7 +21,7 @@ from logtriage.catalog.rule import Category, Role, Rule, Severity
 from logtriage.demux.blocks import EXCEPTION_HEAD
 from logtriage.demux.launcher import PY_GLOG
 from logtriage.demux.streams import StreamKey, StreamKind
-from logtriage.scan import Hit, ScanResult
+from logtriage.scan_result import Hit, ScanResult
 
 # Exception types that are consequences of another failure, not causes, when nothing more
 # specific matched their line.

@@ -15,7 +15,7 @@ from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.catalog.loader import Catalog
 from logtriage.rank_ranges import ranges
 from logtriage.catalog.rule import Category, Role, Rule, Severity
-from logtriage.scan import ScanResult
+from logtriage.scan_result import ScanResult
 
 
 def waiting(findings: list[Finding], facts: RankFacts) -> RootCause | None:

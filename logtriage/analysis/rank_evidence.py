@@ -14,7 +14,7 @@ from logtriage.analysis.findings import Finding, short_type
 from logtriage.analysis.roots import RankFacts, earliest
 from logtriage.catalog.rule import Category, Layer, Role
 from logtriage.demux.blocks import NCCL_PREFIX
-from logtriage.scan import step_number
+from logtriage.scan_result import step_number
 
 
 def all_exited_alike(first: Finding, group: list[Finding], live: list[Finding], facts: RankFacts) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ from logtriage.catalog.rule import Role
 
 if TYPE_CHECKING:
     from logtriage.analysis.findings import Finding
-    from logtriage.scan import ScanResult
+    from logtriage.scan_result import ScanResult
 
 LOGGED_ERROR = "python.logged_error"
 LOSS_NAN = "numerical.loss_nan"   # `loss is nan, skipping step 2`: a step skipped, training goes on

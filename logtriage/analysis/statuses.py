@@ -9,7 +9,7 @@ from logtriage.analysis.childfailed import ChildFailure, is_killed
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.roots import ChainLink, ChainRole, RootCause, Verdict
 from logtriage.demux.streams import StreamKey, StreamKind
-from logtriage.scan import SlotStats
+from logtriage.scan_result import SlotStats
 
 
 @dataclass(frozen=True)

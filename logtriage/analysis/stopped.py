@@ -20,7 +20,7 @@ from logtriage.demux.around_paste import environment_report_span, reporters_word
 from logtriage.demux.prefixes import Dialect, strip_prefixes
 from logtriage.demux.streams import StreamKey
 from logtriage.ingest.lines import read_lines
-from logtriage.scan import STEP, ScanResult
+from logtriage.scan_result import STEP, ScanResult
 
 TailLine = tuple[int, int, str]      # (source, line number, text as read back)
 TAIL_LINES = 40

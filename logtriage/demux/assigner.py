@@ -14,22 +14,10 @@ from logtriage.demux import blocks as B
 from logtriage.demux import launcher as L
 from logtriage.demux.clean import after_bar, ungrouped
 from logtriage.demux.frames import FRAME, TracebackFacts, watch_traceback_line
-from logtriage.demux.prefixes import Dialect, line_prefix_end, strip_prefixes
-from logtriage.demux.split import split_glued
+from logtriage.demux.line_marks import PROBE, block_start, find_rank_marker, pieces_of
+from logtriage.demux.prefixes import Dialect, strip_prefixes
 from logtriage.demux.streams import SlotTable, StreamKind
 
-PROBE = re.compile(r"^([A-Z][A-Z0-9_]*_JSON)=(.*)$")
-# ASCII classes (`\b`, `\s`) as the fast-scan kernel reads bytes: `rank:0é` names rank 0 in both
-_RANK_MARKERS = (
-    re.compile(r"\[\s*(?:global[_ ])?rank\s*[:=#]?\s*(\d{1,9})\s*(?:/\s*\d+\s*)?\]", re.IGNORECASE | re.ASCII),
-    re.compile(r"(?:^|[\s,(|])(?:global_)?rank\s*[=:]\s*(\d{1,9})\b", re.IGNORECASE | re.ASCII),
-    # and a script's own progress print that starts with its rank (`rank 3 step 12 loss 0.41`)
-    re.compile(r"^\s*rank\s*(\d{1,9})(?:\s*[:|\]]|\s+(?:step|epoch|iter|iteration|loss|batch|done|finished)\b)",
-               re.IGNORECASE | re.ASCII),
-    # a logger's `(rank 2) message` and Megatron-style `> rank 2 ...` at the start of the message
-    re.compile(r"^ *\( *rank *(\d{1,9}) *\)", re.IGNORECASE | re.ASCII),
-    re.compile(r"^ *> *rank +(\d{1,9})\b", re.IGNORECASE | re.ASCII),
-)
 # (NCCL's result codes under a DistBackendError, `ncclInternalError: Internal check failed.`, are
 # part of its message, not exceptions)
 _EXCEPTION_START = re.compile(r"^(?!nccl[A-Z])(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): ")
@@ -37,24 +25,6 @@ _ERROR_RECORD = re.compile(r"\b(?:ERROR|CRITICAL|FATAL|Exception|exception)\b")
 _LAUNCHER_EXCEPTIONS = re.compile(r"(?:ChildFailedError|SignalException|RendezvousConnectionError|"
                                   r"RendezvousTimeoutError|RendezvousClosedError|ProcessRaisedException|"
                                   r"ProcessExitedException)\b")
-
-
-def pieces_of(line: str, dialect: Dialect) -> list[str]:
-    """A physical line cut where a second rank's output was glued onto it; the labels a launcher
-    puts on every line (srun, Open MPI, pdsh) stay on each piece, whose output they label."""
-    head = line_prefix_end(line, dialect)
-    if not head:
-        return split_glued(line)
-    return [line[:head] + piece for piece in split_glued(line[head:])]
-
-
-def find_rank_marker(text: str) -> int | None:
-    head = text[:120]
-    for pattern in _RANK_MARKERS:
-        m = pattern.search(head)
-        if m:
-            return int(m.group(1))
-    return None
 
 
 @dataclass
@@ -244,7 +214,7 @@ class Assigner:
         return part
 
     def _open_or_plain(self, slot: int, text: str, bare: bool) -> Part:
-        kind = _block_start(text)
+        kind = block_start(text)
         if kind is not None:
             return self._open(kind, slot, text, bare)
         frame = FRAME.match(text) if text.lstrip()[:6] == 'File "' else None
@@ -365,22 +335,3 @@ class Assigner:
         if text.strip():
             self.last_slot = slot
         return Part(slot, text, block_id)
-
-
-def _block_start(text: str) -> B.BlockKind | None:
-    if not text:
-        return None
-    first = text[0]
-    if first == "T" and B.TRACEBACK_START.match(text):
-        return B.BlockKind.TRACEBACK
-    if first == "[" and B.CPP_GLOG.match(text):
-        return B.BlockKind.CPP
-    if first == "F" and B.FAULT_START.match(text):
-        return B.BlockKind.FAULT
-    if (first == "E" or first == "-") and B.IGNORED_START.match(text):
-        return B.BlockKind.IGNORED
-    if first == "t" and B.NATIVE_START.match(text):
-        return B.BlockKind.NATIVE
-    if B.WARNING_START.match(text):
-        return B.BlockKind.WARNING
-    return None

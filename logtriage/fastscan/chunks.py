@@ -11,7 +11,7 @@ from typing import Iterator
 from logtriage.errors import InputError
 from logtriage.ingest.reader import open_source
 from logtriage.ingest.sources import Source
-from logtriage.scan import SourceIndex
+from logtriage.scan_result import SourceIndex
 
 
 def file_chunks(source: Source, size: int, in_flight: int) -> Iterator[tuple[int, memoryview]]:

@@ -21,7 +21,8 @@ from logtriage.fastscan.chunks import file_chunks, stream_chunks
 from logtriage.fastscan.flags import CANDIDATE, COLLECTOR_STAMP, NOT_PLAIN, SRUN_LABEL
 from logtriage.fastscan.merge import ChunkLines, ChunkMerger
 from logtriage.ingest.sources import Source, needs_stream
-from logtriage.scan import DIALECT_SAMPLE, LineScanner, ScanResult, SourceIndex, new_result
+from logtriage.scan import DIALECT_SAMPLE, LineScanner
+from logtriage.scan_result import ScanResult, SourceIndex, new_result
 
 CHUNK_BYTES = 16 << 20
 RANGE_TAIL = 64 << 10    # read past a range's end to finish its last line

@@ -7,7 +7,7 @@ that rank (or to "unattributed") without opening, continuing or closing anything
 any rule able to match it. Everything this kernel cannot decide is flagged NOT_PLAIN and goes
 through `LineScanner.line`; the catalog prefilter (prefilter.py) flags the rest.
 
-The decisions mirror demux/prefixes.py, demux/split.py and assigner.find_rank_marker (the byte
+The decisions mirror demux/prefixes.py, demux/split.py and line_marks.find_rank_marker (the byte
 readers of prefixes and markers are in kernel_prefixes.py and kernel_markers.py); the
 equality test (tests/test_fastscan.py) runs both paths on every sample log.
 """

@@ -1,6 +1,6 @@
 """Byte readers of the rank markers a script writes into its own lines (`[rank 3]`, `rank=3`, a
 logging format's rank field) and of a progress line's step, for the fast path's kernel (kernel.py).
-Each mirrors assigner.find_rank_marker and scan.STEP."""
+Each mirrors line_marks.find_rank_marker and scan_result.STEP."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def is_rank_at(buf, p):
 
 @njit(cache=True, nogil=True)
 def marker(buf, c, end, found):
-    """assigner.find_rank_marker on an unprefixed message, within its first 120 characters
+    """line_marks.find_rank_marker on an unprefixed message, within its first 120 characters
     (case-insensitive), trying its three patterns in order:
     1. `[ *(global[_ ])?rank *[:=#]? *(\\d{1,9}) *(/ *\\d+ *)?]`
     2. `(^|[ ,(|])(global_)?rank *[=:] *(\\d{1,9})\\b`

@@ -11,7 +11,8 @@ import numpy as np
 
 from logtriage.fastscan.flags import CANDIDATE, INHERIT, NOT_PLAIN, STEP, STEP2
 from logtriage.ingest.reader import MAX_LINE, TAIL, capped
-from logtriage.scan import LineScanner, SlotStats, note_step
+from logtriage.scan import LineScanner
+from logtriage.scan_result import SlotStats, note_step
 
 LUT_RANKS = 1 << 20
 

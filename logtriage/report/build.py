@@ -12,7 +12,7 @@ from logtriage.demux.streams import StreamKind
 from logtriage.ingest.lines import read_lines
 from logtriage.report.model import (ChainEntry, EvidenceLine, FindingView, RankRow, Report, RootCauseView,
                                     StreamRow)
-from logtriage.scan import ScanResult
+from logtriage.scan_result import ScanResult
 
 MAX_FINDINGS = 400
 EVIDENCE_BEFORE = 3

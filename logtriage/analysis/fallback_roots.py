@@ -1,0 +1,80 @@
+"""Roots for a failed run no rule explains: an exception no rule knows, an exit code with no error
+printed, a traceback cut before its exception line. Never an empty report for a failed run."""
+
+from __future__ import annotations
+
+from logtriage.analysis.childfailed import ChildFailure, is_own_failure
+from logtriage.analysis.findings import Finding
+from logtriage.analysis.hangs import fallback_rule
+from logtriage.analysis.roots import RootCause
+from logtriage.analysis.signal_readings import exit_rule
+from logtriage.analysis.stopped import message_of
+from logtriage.catalog.loader import Catalog
+from logtriage.catalog.rule import Category
+from logtriage.demux.streams import StreamKey, StreamKind
+from logtriage.ingest.lines import read_lines
+from logtriage.scan_result import ScanResult
+
+
+def exit_only_root(failures: list[ChildFailure], catalog: Catalog) -> RootCause | None:
+    own = [f for f in failures if is_own_failure(f.exitcode)]
+    if not own:
+        return None
+    first = next((f for f in own if f.is_root_cause), own[0])
+    rule = exit_rule(catalog)
+    return RootCause(rule, None, first.rank, (first.rank,) if first.rank is not None else (), 0.3,
+                     (f"rank {first.rank} exited with code {first.exitcode}; its output holds no error",))
+
+
+def unrecognised_exception(scan: ScanResult, keys: list[StreamKey], catalog: Catalog,
+                            context_lines: set[tuple[int, int]]) -> RootCause | None:
+    """A traceback whose exception no rule knows (a type without an Error/Exception suffix): the
+    last such exception of a worker is the report, never an empty one for a failed run. An
+    exception a context rule reads (a thread's error as the interpreter shuts down) is not one."""
+    for block_id in sorted(scan.block_exception_lines, reverse=True):
+        slot = scan.block_slots.get(block_id)
+        exception = scan.block_exceptions.get(block_id, "")
+        if slot is None or not exception:
+            continue
+        stream = keys[scan.slots.final(slot)]
+        if stream.kind is StreamKind.LAUNCHER:
+            continue
+        source, line = scan.block_exception_lines[block_id]
+        if (source, line) in context_lines:
+            continue
+        name = exception.split(":", 1)[0].strip()
+        rule = catalog.get("python.exception") or fallback_rule("python.exception", Category.PYTHON_EXCEPTION,
+                                                                "Unhandled Python exception")
+        finding = Finding(rule, {"exception_type": name}, source, line, stream, stream.rank_or_none, exception,
+                          block_id, scan.seq + 1, None, "stream", exception)
+        return RootCause(rule, finding, finding.rank, (finding.rank,) if finding.rank is not None else (), 0.5,
+                         (f"no rule knows this exception; {name} ended the traceback",))
+    return None
+
+
+def cut_traceback(scan: ScanResult, keys: list[StreamKey], catalog: Catalog) -> RootCause | None:
+    """A worker's traceback that stops before its exception line: the run failed, with an error
+    the log does not hold (never an OK report for a log with a traceback in it)."""
+    for block_id in sorted(scan.blocks, reverse=True):
+        slot = scan.block_slots.get(block_id)
+        if scan.block_kinds.get(block_id) != "traceback" or scan.block_exceptions.get(block_id) or slot is None:
+            continue
+        stream = keys[scan.slots.final(slot)]
+        source, first, last = scan.blocks[block_id]
+        if stream.kind is StreamKind.LAUNCHER or last - first < 2:
+            continue
+        checkpoint = scan.block_checkpoint_frames.get(block_id, "")
+        rule_id = "ckpt.io_error" if checkpoint else "python.traceback_cut"   # cut inside torch.load, a save
+        rule = catalog.get(rule_id) or fallback_rule(
+            "python.traceback_cut", Category.UNKNOWN, "A traceback without its exception line")
+        # the block's first line: `Traceback (most recent call last):`, or a frame when the paste cut that
+        head = read_lines(scan.sources[source], scan.indexes[source], [first]).get(first, "")
+        text = message_of(head) or "Traceback (most recent call last):"
+        finding = Finding(rule, {}, source, first, stream, stream.rank_or_none, text,
+                          block_id, scan.seq + 1, None, last_frame=scan.block_last_frames.get(block_id, ""))
+        rank = finding.rank
+        inside = f", inside `{checkpoint}`: saving or loading a checkpoint failed" if checkpoint else ""
+        return RootCause(rule, finding, rank, (rank,) if rank is not None else (), 0.3, (
+            f"the traceback at line {first} stops at line {last} before its exception line{inside}; "
+            "the error itself was cut from this log",))
+    return None

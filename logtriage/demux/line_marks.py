@@ -1,0 +1,61 @@
+"""What one line says by itself about where it belongs: a probe (`NAME_JSON={...}`), a rank marker in
+its text (`[Rank 3]`, `rank=3`), the start of a multi-line block, and the pieces of a line that glued
+two ranks' output together."""
+
+from __future__ import annotations
+
+import re
+
+from logtriage.demux import blocks as B
+from logtriage.demux.prefixes import Dialect, line_prefix_end
+from logtriage.demux.split import split_glued
+
+PROBE = re.compile(r"^([A-Z][A-Z0-9_]*_JSON)=(.*)$")
+# ASCII classes (`\b`, `\s`) as the fast-scan kernel reads bytes: `rank:0é` names rank 0 in both
+_RANK_MARKERS = (
+    re.compile(r"\[\s*(?:global[_ ])?rank\s*[:=#]?\s*(\d{1,9})\s*(?:/\s*\d+\s*)?\]", re.IGNORECASE | re.ASCII),
+    re.compile(r"(?:^|[\s,(|])(?:global_)?rank\s*[=:]\s*(\d{1,9})\b", re.IGNORECASE | re.ASCII),
+    # and a script's own progress print that starts with its rank (`rank 3 step 12 loss 0.41`)
+    re.compile(r"^\s*rank\s*(\d{1,9})(?:\s*[:|\]]|\s+(?:step|epoch|iter|iteration|loss|batch|done|finished)\b)",
+               re.IGNORECASE | re.ASCII),
+    # a logger's `(rank 2) message` and Megatron-style `> rank 2 ...` at the start of the message
+    re.compile(r"^ *\( *rank *(\d{1,9}) *\)", re.IGNORECASE | re.ASCII),
+    re.compile(r"^ *> *rank +(\d{1,9})\b", re.IGNORECASE | re.ASCII),
+)
+
+
+def pieces_of(line: str, dialect: Dialect) -> list[str]:
+    """A physical line cut where a second rank's output was glued onto it; the labels a launcher
+    puts on every line (srun, Open MPI, pdsh) stay on each piece, whose output they label."""
+    head = line_prefix_end(line, dialect)
+    if not head:
+        return split_glued(line)
+    return [line[:head] + piece for piece in split_glued(line[head:])]
+
+
+def find_rank_marker(text: str) -> int | None:
+    head = text[:120]
+    for pattern in _RANK_MARKERS:
+        m = pattern.search(head)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def block_start(text: str) -> B.BlockKind | None:
+    if not text:
+        return None
+    first = text[0]
+    if first == "T" and B.TRACEBACK_START.match(text):
+        return B.BlockKind.TRACEBACK
+    if first == "[" and B.CPP_GLOG.match(text):
+        return B.BlockKind.CPP
+    if first == "F" and B.FAULT_START.match(text):
+        return B.BlockKind.FAULT
+    if (first == "E" or first == "-") and B.IGNORED_START.match(text):
+        return B.BlockKind.IGNORED
+    if first == "t" and B.NATIVE_START.match(text):
+        return B.BlockKind.NATIVE
+    if B.WARNING_START.match(text):
+        return B.BlockKind.WARNING
+    return None
