@@ -1848,3 +1848,75 @@ def test_errors_as_renderers_print_them(tmp_path):
         "Timed out waiting 15000ms for recv operation to complete"))
     rc = _report(tmp_path / "r.log", text)["root_cause"]
     assert (rc["rule_id"], rc["line"]) == ("gloo.timeout", 6)   # (a timeout alone: the rank is the one it waited for)
+
+
+_AGENT = "W1203 01:04:35.396000 6928 torch/distributed/elastic/"
+
+
+def _heartbeats(rounds: int, odd: int, ranks: int = 4) -> str:
+    """A DDP loop's heartbeat thread (cpu_adhoc 38th batch, `fault38.py`): every rank prints
+    `alive step 3 phase backward` while it waits in the all-reduce, the stalled rank `phase data`."""
+    return "".join(f"[rank {r}] alive step 3 phase {'data' if r == odd else 'backward'}\n"
+                   for _ in range(rounds) for r in range(ranks))
+
+
+def _stopped_by(signal: int) -> str:
+    """torchrun's lines when `timeout -s INT|TERM` stops it (stall_sleepint_np4_r1_plain and
+    stall_spinterm_np5_r2_tee)."""
+    return (f"{_AGENT}agent/server/api.py:753] Received {signal} death signal, shutting down workers\n"
+            + "".join(f"{_AGENT}multiprocessing/api.py:1028] Sending process {6947 + r} closing signal "
+                      f"{'SIGINT' if signal == 2 else 'SIGTERM'}\n" for r in range(4))
+            + "torch.distributed.elastic.multiprocessing.api.SignalException: Process 6928 got signal: "
+            + f"{signal}\n")
+
+
+def test_heartbeats_at_one_step_before_a_stop_are_a_hang_of_the_odd_rank(tmp_path):
+    steps = "".join(f"[rank {r}] step {s} loss 0.9\n" for s in (1, 2) for r in range(4))
+    report = _report(tmp_path / "r.log", steps + "[rank 1] step 3: fetching shard 3\n" + _heartbeats(4, odd=1)
+                     + _stopped_by(15))
+    rc = report["root_cause"]
+    assert (report["verdict"], rc["rule_id"], rc["category"], rc["rank"]) == (
+        "hung", "hang.stopped_while_waiting", "hang", 1)
+    assert any("heartbeat" in r for r in rc["reasons"])
+
+
+def test_a_stop_while_steps_still_advance_stays_an_external_stop(tmp_path):
+    steps = "".join(f"[rank {r}] step {s} loss 0.9\n[rank {r}] alive step {s} phase backward\n"
+                    for s in range(1, 6) for r in range(4))
+    report = _report(tmp_path / "r.log", steps + _stopped_by(2))
+    assert (report["verdict"], report["root_cause"]["category"]) == ("failed", "external_stop")
+
+
+def test_two_heartbeats_are_not_yet_a_stall(tmp_path):
+    report = _report(tmp_path / "r.log", _heartbeats(2, odd=1) + _stopped_by(15))
+    assert report["root_cause"]["category"] == "external_stop"
+
+
+def test_a_scripts_progress_watchdog_is_a_hang_on_its_rank(tmp_path):
+    # stall_wdexit_np4_r2_plain: the stalled rank's own watchdog exits 3; its peers lose the connection
+    log = ("[rank 2] step 3: fetching shard 3 from object store\n"
+           "[rank 2] rank 2 no progress for 8s at step 3 (phase data)\n[rank 2] watchdog: exiting with code 3\n"
+           "[rank3]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+           "Connection closed by peer [127.0.0.1]:8883\n")
+    rc = _report(tmp_path / "r.log", log)["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == ("hang.watchdog_heartbeat", "hang", 2, 2)
+
+
+def test_watchdogs_on_every_rank_but_one_point_at_that_one(tmp_path):
+    # stall_wdwaiter_np5_r1_tee: the waiters' watchdogs fire; the stalled rank 1 is the one without
+    log = "".join(f"[default{r}]:r{r} | step 2/6 loss=0.9\n" for r in range(5))
+    log += "".join(f"[default{r}]:r{r} | rank {r} no progress for 8s at step 3 (phase backward)\n"
+                   for r in (4, 0, 3, 2))
+    log += "[default1]:r1 | alive step 3 phase data\n"
+    rc = _report(tmp_path / "r.log", log)["root_cause"]
+    assert (rc["rule_id"], rc["rank"]) == ("hang.watchdog_heartbeat", 1)
+
+
+def test_a_store_wait_for_an_address_at_group_formation_stays_a_start_up_failure(tmp_path):
+    # coll_localrank_np6_r3_srun, on one node: every rank's `step 0/6 init_process_group(...)` line,
+    # then gloo's connectFullMesh waits in the store for rank 2's address, which no process published
+    log = "".join(f"[rank {r}] step 0/6 init_process_group(rank={r % 2}, world_size=4)\n" for r in range(4))
+    log += ("Traceback (most recent call last):\ntorch.distributed.DistStoreError: wait timeout after 15000ms, "
+            "keys: /default_pg/0//cpu//0/2\n") * 4
+    rc = _report(tmp_path / "r.log", log)["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("dist.store_wait_timeout", "rendezvous", 2)

@@ -49,6 +49,7 @@ from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
 from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_named_ranks, group_destroyed,
                                               oom_on_shared_gpu, spawn_report_yields, timer_reaped, unresolved_host,
                                               waited_for_a_crash, writer_behind_readers)
+from logtriage.analysis.stalls import heartbeat_odd_one_out, heartbeats_before_stop, watchdog_spared_rank
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
 from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, output_stopped, stalled_before_stop,
                                         still_retrying, stuck_after_warning, unknown_error_line)
@@ -99,6 +100,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = finished_then_stopped(stop_after_task_failure(stop_for_memory(root, findings), findings),
                                      findings, catalog)
         root = stalled_before_stop(scan, root, findings, catalog)
+        if root.rule.category is Category.EXTERNAL_STOP:
+            root = heartbeats_before_stop(scan, keys, root, findings, catalog)
     if root is not None:
         root = timer_reaped(waited_for_a_crash(root, findings), findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
@@ -112,6 +115,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = dcp_named_ranks(root, findings, scan.block_exceptions)
         root = probe_json_without_banner(root, bool(scan.banner_lines), catalog)
         root = different_collectives_at_one_seq(root, findings, catalog)
+        root = watchdog_spared_rank(root, findings, facts)
         root = store_wait_after_progress(root, findings, facts, first_progress(stream_stats), catalog)
         root = group_destroyed(root, {k.rank for k, s in stream_stats.items()
                                       if k.kind is StreamKind.RANK and s.last_step is not None}, catalog)
@@ -170,6 +174,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         verdict = Verdict.FAILED if root is not None else Verdict.OK
         if root is None:
             root = stuck_after_warning(tail, findings) or output_stopped(scan, keys, tail, facts, catalog)
+            if root is not None:
+                root = heartbeat_odd_one_out(scan, keys, root)
             verdict = Verdict.HUNG if root is not None else Verdict.OK
     recovered = None
     if verdict is Verdict.FAILED and root is not None:

@@ -6,6 +6,7 @@ of stops and signals in signal_readings.py."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import replace
 
@@ -71,21 +72,30 @@ def peers_over_node_exit(root: RootCause, findings: list[Finding]) -> RootCause:
         "peer closing the connection",))
 
 
+def odd_step_rank(facts: RankFacts) -> tuple[int, int, int] | None:
+    """(rank, its last step, every other rank's) when every rank's progress lines but one reached
+    the same step, and that one stopped earlier or ran ahead; else None."""
+    steps = facts.last_step
+    if len(steps) < 3 or len(steps) < len(facts.known) or len(set(steps.values())) != 2:
+        return None
+    counts = Counter(steps.values())
+    odd = [r for r, s in steps.items() if counts[s] == 1]
+    if len(odd) != 1:
+        return None
+    rank = odd[0]
+    return rank, steps[rank], next(s for r, s in steps.items() if r != rank)
+
+
 def _odd_one_out_in_progress(root: RootCause, facts: RankFacts) -> RootCause:
     """Several ranks printed no error, but their progress lines say which one went its own way:
     every rank but one reached the same step, and that one stopped earlier or ran ahead (a
     skipped collective, a step of its own): the peers lost their connection because of it."""
-    steps = facts.last_step
-    if len(steps) < 3 or len(steps) < len(facts.known) or len(set(steps.values())) != 2:
+    odd = odd_step_rank(facts)
+    if odd is None:
         return root
-    counts = Counter(steps.values())
-    odd = [r for r, s in steps.items() if counts[s] == 1]
-    if len(odd) != 1:
-        return root
-    rank = odd[0]
-    others = next(s for r, s in steps.items() if r != rank)
+    rank, step, others = odd
     return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.3), reasons=root.reasons + (
-        f"every error found is a peer connection closing; rank {rank}'s last progress line is step {steps[rank]}, "
+        f"every error found is a peer connection closing; rank {rank}'s last progress line is step {step}, "
         f"every other rank's step {others}: it went its own way (it stopped early or ran a step ahead), "
         "and the others lost their peer",))
 
@@ -132,6 +142,11 @@ STORE_TIMEOUT_RULES = frozenset({"dist.store_wait_timeout", "dist.store_connect_
 STORE_WAIT_IN_COLLECTIVE = "dist.store_wait_in_collective"
 
 
+# the store key of a rank's address that gloo's connectFullMesh waits for while the default group
+# forms (`/default_pg/0//cpu//0/3`, inside init_process_group)
+_DEFAULT_GROUP_MESH = re.compile(r"^/default_pg/0//(?:cpu|cuda)//\d+/\d+$")
+
+
 def store_wait_after_progress(root: RootCause, findings: list[Finding], facts: RankFacts,
                               first_progress: tuple[int, int] | None, catalog: Catalog) -> RootCause:
     """A store timeout after the run printed training progress: the group formed long before, so
@@ -140,6 +155,9 @@ def store_wait_after_progress(root: RootCause, findings: list[Finding], facts: R
     f = root.finding
     if f is None or root.rule.id not in STORE_TIMEOUT_RULES or first_progress is None or first_progress > (f.source, f.line):
         return root
+    if max(facts.last_step.values(), default=0) <= 0 and any(
+            _DEFAULT_GROUP_MESH.search(w.captures.get("keys", "")) for w in findings if w.rule.id in STORE_TIMEOUT_RULES):
+        return root     # the default group forming: a `step 0/6 init_process_group(...)` line is no training yet
     rule = catalog.get(STORE_WAIT_IN_COLLECTIVE)
     if rule is None:
         return root

@@ -1,0 +1,147 @@
+"""Stalls a program's own progress reports show: heartbeat lines that kept coming while the step
+did not advance, up to the moment someone stopped the job (the seed's DDP rules: a heartbeat per
+rank, and a watchdog that turns a silent hang into an exit); and a watchdog that fired on every
+rank but one, the one the others were waiting for."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import replace
+
+from logtriage.analysis.findings import Finding, mask_numbers
+from logtriage.analysis.hangs import fallback_rule
+from logtriage.analysis.refine import STOPPED_WHILE_WAITING, odd_step_rank
+from logtriage.analysis.roots import RankFacts, RootCause
+from logtriage.analysis.stopped import message_of
+from logtriage.catalog.loader import Catalog
+from logtriage.catalog.rule import Category
+from logtriage.demux.line_marks import find_rank_marker
+from logtriage.demux.streams import StreamKey, StreamKind
+from logtriage.ingest.lines import read_lines
+from logtriage.rank_ranges import ranges
+from logtriage.scan_result import ScanResult, step_number
+
+WINDOW = 160          # lines read back before the stop
+REPEATS = 3           # heartbeats at one step that make a stall
+WATCHDOG_RULE = "hang.watchdog_heartbeat"
+# two ranks' heartbeats glued on one physical line (`... phase data[rank 3] alive step 3 ...`)
+_GLUED_MARKER = re.compile(r"(?<=\S)(?=\[rank ?\d{1,6}\] )")
+
+
+def heartbeats_before_stop(scan: ScanResult, keys: list[StreamKey], root: RootCause, findings: list[Finding],
+                           catalog: Catalog) -> RootCause:
+    """A job stopped from outside (Ctrl-C, a scheduler's or a `timeout`'s SIGTERM) whose ranks'
+    last lines before the stop repeat one message at one step, again and again: their heartbeats
+    went on, their steps did not, so the stop ended a hang. The rank whose heartbeat says something
+    else than all the others' (`phase data` where they say `phase backward`) is the one they wait for."""
+    stop = root.finding
+    if stop is None or stop.source >= len(scan.sources):
+        return root
+    end = min((f.line for f in findings if f.source == stop.source and (f.is_error or f.is_teardown)),
+              default=stop.line)
+    beats = _progress_before(scan, keys, stop.source, end)
+    stalled = {rank: texts for rank, texts in beats.items() if _repeats_at_one_step(texts)}
+    moving = [rank for rank, texts in beats.items() if rank not in stalled and len(texts) >= 2]
+    if not stalled or moving:
+        return root
+    step = max(texts[-1][0] for texts in stalled.values())
+    rank, why = _odd_heartbeat(stalled)
+    rule = catalog.get(STOPPED_WHILE_WAITING) or fallback_rule(
+        STOPPED_WHILE_WAITING, Category.HANG, "Stopped while waiting: the run had hung")
+    reasons = root.reasons + (
+        f"before the stop, the last lines of rank(s) {ranges(sorted(stalled), limit=8)} repeat one message at step "
+        f"{step} ({REPEATS} or more times): heartbeats went on while the steps did not, so the job had stalled, and "
+        "the stop only ended the hang",) + ((why,) if why else ())
+    return replace(root, rule=rule, rank=rank, ranks=(rank,) if rank is not None else tuple(sorted(stalled)),
+                   confidence=min(root.confidence, 0.45), reasons=reasons)
+
+
+def heartbeat_odd_one_out(scan: ScanResult, keys: list[StreamKey], root: RootCause) -> RootCause:
+    """A hang with no rank (the output just stops) whose ranks' last lines are heartbeats at one
+    step: the rank whose heartbeat says something else than all the others' is the one they wait for."""
+    if root.rank is not None or root.rule.category is not Category.HANG or not scan.sources:
+        return root
+    source = len(scan.sources) - 1
+    beats = _progress_before(scan, keys, source, len(scan.indexes[source].offsets) + 1)
+    stalled = {rank: texts for rank, texts in beats.items() if _repeats_at_one_step(texts)}
+    if len(stalled) < 3 or any(rank not in stalled and len(texts) >= 2 for rank, texts in beats.items()):
+        return root
+    rank, why = _odd_heartbeat(stalled)
+    if rank is None:
+        return root
+    return replace(root, rank=rank, ranks=(rank,), reasons=root.reasons + (why,))
+
+
+def watchdog_spared_rank(root: RootCause, findings: list[Finding], facts: RankFacts) -> RootCause:
+    """Progress watchdogs fired on every rank but one: the ranks whose steps stopped because they
+    waited in a collective reported it, and the one rank they waited for (busy elsewhere, its own
+    watchdog slower or absent) is where the stall is."""
+    if root.rule.id != WATCHDOG_RULE:
+        return root
+    if root.finding is not None and root.finding.stream.kind is not StreamKind.RANK:
+        return _dump_of_the_odd_rank(root, facts)
+    fired = {f.rank for f in findings if f.rule.id == WATCHDOG_RULE and f.rank is not None}
+    spared = facts.known - fired
+    if len(fired) >= 2 and not spared:    # every rank's fired: their progress lines tell the stall
+        return _dump_of_the_odd_rank(root, facts)
+    if len(fired) < 2 or len(spared) != 1 or not facts.speaking >= spared:
+        return root
+    rank = next(iter(spared))
+    return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.45), reasons=root.reasons + (
+        f"the watchdogs of ranks {ranges(sorted(fired), limit=8)} fired and rank {rank}'s did not: they saw no "
+        f"progress because they waited for rank {rank}, which was busy elsewhere",))
+
+
+def _dump_of_the_odd_rank(root: RootCause, facts: RankFacts) -> RootCause:
+    """A watchdog's dump no line ties to a rank (faulthandler's `Timeout (0:00:10)!` and stacks), or
+    watchdogs that fired on every rank: the rank whose progress lines stopped at another step than
+    every other rank's is the stall."""
+    odd = odd_step_rank(facts)
+    if odd is None:
+        return root
+    rank, step, others = odd
+    return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.4), reasons=root.reasons + (
+        f"the watchdog's output does not tell the stalled rank; rank {rank}'s last progress line is step {step} and every other "
+        f"rank's step {others}: rank {rank} went its own way, and the others waited for it",))
+
+
+def _progress_before(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> dict[int, list]:
+    """Each rank's progress messages (step, masked text) in the WINDOW lines before line `end`."""
+    index = scan.indexes[source]
+    numbers = list(range(max(1, end - WINDOW), end))
+    texts = read_lines(scan.sources[source], index, numbers)
+    beats: dict[int, list] = {}
+    for number in numbers:
+        if number - 1 >= len(index.slots):
+            break
+        key = keys[scan.slots.final(index.slots[number - 1])]
+        own = key.rank if key.kind is StreamKind.RANK else None
+        for piece in _GLUED_MARKER.split(message_of(texts.get(number, ""))):
+            step = step_number(piece)
+            marked = find_rank_marker(piece)
+            rank = own if marked is None else marked
+            if step is not None and rank is not None:
+                beats.setdefault(rank, []).append((step, mask_numbers(piece).strip()))
+    return beats
+
+
+def _repeats_at_one_step(texts: list[tuple[int, str]]) -> bool:
+    last = texts[-REPEATS:]
+    return len(last) == REPEATS and len({t for t in last}) == 1
+
+
+def _odd_heartbeat(stalled: dict[int, list]) -> tuple[int | None, str]:
+    if len(stalled) == 1:
+        return next(iter(stalled)), ""
+    said = {rank: texts[-1][1] for rank, texts in stalled.items()}
+    counts = Counter(said.values())
+    if len(stalled) < 3 or len(counts) != 2:
+        return None, ""
+    odd = [rank for rank, text in said.items() if counts[text] == 1]
+    if len(odd) != 1:
+        return None, ""
+    rank = odd[0]
+    common = next(text for text in said.values() if counts[text] > 1)
+    return rank, (f"rank {rank}'s heartbeat (`{said[rank]}`) differs from every other rank's (`{common}`): "
+                  f"the others waited for rank {rank}")
