@@ -72,32 +72,31 @@ def peers_over_node_exit(root: RootCause, findings: list[Finding]) -> RootCause:
         "peer closing the connection",))
 
 
-def odd_step_rank(facts: RankFacts) -> tuple[int, int, int] | None:
-    """(rank, its last step, every other rank's) when every rank's progress lines but one reached
-    the same step, and that one stopped earlier or ran ahead; else None."""
+def at_the_odd_step(root: RootCause, facts: RankFacts, confidence: float, why: str) -> RootCause:
+    """The root moved to the one rank whose progress lines stopped at another step than every
+    other rank's (which all reached the same one): it went its own way. `why` is a reason with
+    {rank}, {step} and {others} (that rank's last step, the others')."""
     steps = facts.last_step
     if len(steps) < 3 or len(steps) < len(facts.known) or len(set(steps.values())) != 2:
-        return None
+        return root
     counts = Counter(steps.values())
     odd = [r for r, s in steps.items() if counts[s] == 1]
     if len(odd) != 1:
-        return None
+        return root
     rank = odd[0]
-    return rank, steps[rank], next(s for r, s in steps.items() if r != rank)
+    others = next(s for r, s in steps.items() if r != rank)
+    return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, confidence),
+                   reasons=root.reasons + (why.format(rank=rank, step=steps[rank], others=others),))
 
 
 def _odd_one_out_in_progress(root: RootCause, facts: RankFacts) -> RootCause:
     """Several ranks printed no error, but their progress lines say which one went its own way:
     every rank but one reached the same step, and that one stopped earlier or ran ahead (a
     skipped collective, a step of its own): the peers lost their connection because of it."""
-    odd = odd_step_rank(facts)
-    if odd is None:
-        return root
-    rank, step, others = odd
-    return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.3), reasons=root.reasons + (
-        f"every error found is a peer connection closing; rank {rank}'s last progress line is step {step}, "
-        f"every other rank's step {others}: it went its own way (it stopped early or ran a step ahead), "
-        "and the others lost their peer",))
+    return at_the_odd_step(root, facts, 0.3, (
+        "every error found is a peer connection closing; rank {rank}'s last progress line is step {step}, every "
+        "other rank's step {others}: it went its own way (it stopped early or ran a step ahead), and the others "
+        "lost their peer"))
 
 
 OOM_RULE = "cuda.oom"

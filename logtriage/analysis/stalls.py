@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from logtriage.analysis.findings import Finding, mask_numbers
 from logtriage.analysis.hangs import fallback_rule
-from logtriage.analysis.refine import STOPPED_WHILE_WAITING, odd_step_rank
+from logtriage.analysis.refine import STOPPED_WHILE_WAITING, at_the_odd_step
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.stopped import message_of
 from logtriage.catalog.loader import Catalog
@@ -97,13 +97,9 @@ def _dump_of_the_odd_rank(root: RootCause, facts: RankFacts) -> RootCause:
     """A watchdog's dump no line ties to a rank (faulthandler's `Timeout (0:00:10)!` and stacks), or
     watchdogs that fired on every rank: the rank whose progress lines stopped at another step than
     every other rank's is the stall."""
-    odd = odd_step_rank(facts)
-    if odd is None:
-        return root
-    rank, step, others = odd
-    return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.4), reasons=root.reasons + (
-        f"the watchdog's output does not tell the stalled rank; rank {rank}'s last progress line is step {step} and every other "
-        f"rank's step {others}: rank {rank} went its own way, and the others waited for it",))
+    return at_the_odd_step(root, facts, 0.4, (
+        "the watchdog's output does not tell the stalled rank; rank {rank}'s last progress line is step {step} and "
+        "every other rank's step {others}: rank {rank} went its own way, and the others waited for it"))
 
 
 def _progress_before(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> dict[int, list]:
