@@ -16,6 +16,8 @@ OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE (mpirun, with MASTER_ADDR/MASTER_PORT 
   cksize     the EMA copy comes from a hidden=32 model: size mismatch
   weightsonly the reload state holds a custom object; torch.load(weights_only=True): UnpicklingError
   memerr     a 32 TiB bytearray prefetch buffer: MemoryError
+  rlimit     the rank caps its address space (RLIMIT_AS, current size + 512 MiB, as a container or `ulimit -v` would)
+             and then builds a feature cache of 64 MiB tensors until torch's allocator fails (DefaultCPUAllocator)
   segv       ctypes.string_at(0): a real NULL read (SIGSEGV)
   abort|bus|kill  os.kill(os.getpid(), SIGABRT|SIGBUS|SIGKILL)
   nan        the step's batch holds a NaN feature; the loss check raises FloatingPointError
@@ -174,6 +176,15 @@ def train() -> None:
         if here and a.fault == "memerr":
             note("allocating a 32 TiB prefetch buffer")
             buf = bytearray(32 << 40)
+        if here and a.fault == "rlimit":
+            import resource
+            with open("/proc/self/statm") as fh:
+                vm = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), resource.RLIM_INFINITY))
+            note(f"building the feature cache (address space limit {(vm + (512 << 20)) >> 20} MiB)")
+            cache = []
+            while True:
+                cache.append(torch.ones(16 << 20))
         if here and a.fault in ("ckmissing", "cksize", "weightsonly"):
             note(f"reloading EMA weights from {ema_path}")
             state = torch.load(ema_path, weights_only=True)
