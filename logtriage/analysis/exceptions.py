@@ -13,7 +13,8 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.childfailed import ChildFailure
-from logtriage.analysis.findings import Finding, exception_type_of, mask_numbers, short_type
+from logtriage.analysis.exception_names import exception_type_of, short_type
+from logtriage.analysis.findings import Finding, mask_numbers
 from logtriage.analysis.hangs import fallback_rule
 from logtriage.analysis.roots import RootCause
 from logtriage.catalog.loader import Catalog

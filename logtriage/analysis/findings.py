@@ -14,12 +14,11 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 from logtriage.analysis.childfailed import ChildFailure, signal_name
+from logtriage.analysis.exception_names import exception_type_of, short_type, unglued
 from logtriage.analysis.same_event import one_reading_per_event
 from logtriage.analysis.timestamps import Stamp
 from logtriage.analysis.went_on import mark_went_on
 from logtriage.catalog.rule import Category, Role, Rule, Severity
-from logtriage.demux.blocks import EXCEPTION_HEAD
-from logtriage.demux.launcher import PY_GLOG
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.scan_result import Hit, ScanResult
 
@@ -45,7 +44,6 @@ _SIGNAL_RULES = {"SIGSEGV": "signal.sigsegv", "SIGABRT": "signal.sigabrt", "SIGB
 # Captures naming the rank of the process that printed the line ("[Rank 3] Watchdog caught ...",
 # "Rank 1 is running collective"); used when the line itself carries no rank prefix.
 SELF_RANK_CAPTURES = ("self_rank", "pg_rank")
-_GLUED_NAME = re.compile(r"([\w.]{4,}?)\1+")
 # srun's notice of how a task (or tasks) ended: `srun: error: node01: task 3: Exited with exit code 1`
 SRUN_TASK_NOTICE = re.compile(r"\s*srun: error: \S+: tasks? [\d,-]+: ")
 
@@ -70,13 +68,6 @@ def mask_numbers(text: str) -> str:
     """The text with its numbers (and sizes with their unit) as `#`: what the same error on
     several ranks has in common."""
     return _MASK.sub("#", text)
-# pytest's short test summary: `FAILED tests/test_x.py::test_y - RuntimeError: ...`
-_PYTEST_SUMMARY = re.compile(r"^(?:FAILED|ERROR) \S+::\S+ - ")
-# torchelastic's error file, as its error handler logs it: `  "message": "RuntimeError: ...",`
-_ERROR_FILE_MESSAGE = re.compile(r'^\s*"message": "')
-# an exception printed by its repr: `RuntimeError('CUDA error: invalid device ordinal...')`
-_EXCEPTION_REPR = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception))\(['\"]")
-_VLLM_LOGGER = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[?[\w.-]+\.py:\d+\] ")
 
 
 @dataclass(frozen=True)
@@ -143,48 +134,6 @@ class Finding:
     def signature(self) -> str:
         """What identical errors on several ranks share: rule and text with numbers masked."""
         return f"{self.rule.id}|{mask_numbers(self.text)}"
-
-
-def exception_type_of(text: str) -> str | None:
-    """`torch.OutOfMemoryError` of `torch.OutOfMemoryError: CUDA out of memory...`, else None;
-    also after Markdown emphasis (`**OSError: ...**`), the agent's glog header (`E0422 05:07:49.013000
-    204 .../api.py:732] RuntimeError: ...`) or vLLM's logger header (`ERROR 10-14 12:32:47
-    multiproc_worker_utils.py:233] torch.OutOfMemoryError: ...`) or a logging record's time and level
-    (`2026-12-02 21:39:13,183 ERROR   [rank 7] FloatingPointError: ...`) or in pytest's short summary
-    (`FAILED tests/test_x.py::test_y - RuntimeError: ...`), in an error file's `"message"` field, at
-    the end of a JSON log record's escaped traceback, or as the exception's repr (`RuntimeError('...')`)."""
-    glog = PY_GLOG.match(text)
-    if glog:
-        text = glog.group(7)
-    else:
-        logger = (_VLLM_LOGGER.match(text) or _PYTEST_SUMMARY.match(text) or _ERROR_FILE_MESSAGE.match(text)
-                  or _LOGGING_HEADER.match(text))
-        text = text[logger.end():] if logger else text
-    text = text.lstrip(" \t").lstrip("*_`")   # indented: an error file's, in the launcher's summary
-    if text[:1] == "{":
-        m = _JSON_TRACEBACK_END.search(text)
-        if m:
-            return unglued(m.group(1))
-    m = EXCEPTION_HEAD.match(text) or _EXCEPTION_REPR.match(text)
-    if not m:
-        return None
-    return unglued(m.group(1))
-
-
-# a logging record's time and level (and a script's rank label) in front of each line of a traceback it logged
-_LOGGING_HEADER = re.compile(r"^\[?\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?\]?\s+(?:-\s+)?(?:[\w.]+\s+-\s+)?"
-                             r"(?:ERROR|CRITICAL|FATAL)\s+(?:-\s+)?(?:\[rank ?\d+\]\s+)?")
-# a JSON log record's traceback, one escaped string: its last line, the one that ends the string
-_JSON_TRACEBACK_END = re.compile(r'\\n((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Failure|Fault|Interrupt|Iteration))'
-                                 r'(?::(?:[^"\\]|\\[^n])*)?(?:\\n)?"')
-
-
-def unglued(name: str) -> str:
-    """One exception name of several ranks' copies written at once (`RuntimeErrorRuntimeError`)."""
-    glued = _GLUED_NAME.fullmatch(name)
-    return glued.group(1) if glued else name
-
-
 
 
 def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[ChildFailure]) -> list[Finding]:
@@ -308,8 +257,3 @@ def attribute_by_signal(findings: list[Finding], failures: list[ChildFailure]) -
                     finding = replace(finding, rank=next(iter(ranks)), attributed_by="signal")
         out.append(finding)
     return out
-
-
-def short_type(name: str | None) -> str | None:
-    """`torch.cuda.OutOfMemoryError` -> `OutOfMemoryError`."""
-    return name.rsplit(".", 1)[-1] if name else None

@@ -10,7 +10,8 @@ from collections import Counter
 from collections.abc import Hashable, Mapping
 
 from logtriage.analysis.childfailed import is_own_failure
-from logtriage.analysis.findings import Finding, short_type
+from logtriage.analysis.exception_names import short_type
+from logtriage.analysis.findings import Finding
 from logtriage.analysis.roots import RankFacts, earliest
 from logtriage.catalog.rule import Category, Layer, Role
 from logtriage.demux.blocks import NCCL_PREFIX

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Callable
 
 from logtriage.analysis.diagnose import Diagnosis
-from logtriage.analysis.findings import Finding, exception_type_of
+from logtriage.analysis.exception_names import exception_type_of
+from logtriage.analysis.findings import Finding
 from logtriage.analysis.roots import RootCause
 from logtriage.demux.streams import StreamKind
 from logtriage.ingest.lines import read_lines
