@@ -303,6 +303,10 @@ def test_a_templates_word_and_number_label_names_the_rank_where_the_log_uses_it_
     assert strip_prefixes(lines[2], dialect).text == "rank 2 step 3 local loss 0.5"
     worker = Dialect.detect([f"[worker{r}] step 1" for r in range(3)])
     assert strip_prefixes("[worker2] step 1", worker).local_rank == 2
+    # `'[${role_name}-${local_rank}] '` (cpu_adhoc lf_zerodiv_np5_r2_prefixrole): a hyphen between them
+    hyphen = Dialect.detect([f"[worker-{r}] rank {r}: building model" for r in range(5)])
+    assert strip_prefixes("[worker-2] [rank2]: ZeroDivisionError: division by zero", hyphen).local_rank == 2
+    assert Dialect.detect([f"[epoch-{e}] loss 0.5" for e in range(4)]).bracket_label is None
     # once in a log is no convention: a list index stays text; nor is a loop's counter
     assert Dialect.detect(["[1] first item", "plain", "another", "more"]).bracket_label is None
     assert Dialect.detect([f"[epoch{e}] loss 0.5" for e in range(4)]).bracket_label is None

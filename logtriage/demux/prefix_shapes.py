@@ -61,8 +61,9 @@ TEMPLATE_RANK = re.compile(r"(?:^|[|,;\s])(?:global_)?(?:rank|r)[=:\s]?(\d{1,12}
 # (`[rank 2] ` and `[Rank 2] ` are a user's rank marker, read as such by the demuxer and the fast scan alike)
 RANK_LABEL = re.compile(r"^\[(?:[Rr][Aa][Nn][Kk][=:] ?|RANK )(\d{1,9})\]:? ")
 # a line-prefix template's own label (`TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[r${rank}] '`): one short
-# word (or none) and the rank; global for `r`/`rank` or no word, else the role's local rank, as --tee's
-BRACKET_LABEL = re.compile(r"^\[([A-Za-z_]{0,12})(\d{1,7})\] ")
+# word (or none) and the rank; global for `r`/`rank` or no word, else the role's local rank, as --tee's;
+# a hyphen may stand between them (`'[${role_name}-${local_rank}] '`: `[worker-2] `)
+BRACKET_LABEL = re.compile(r"^\[([A-Za-z_]{0,12})-?(\d{1,7})\] ")
 GLOBAL_WORDS = frozenset({"", "r", "rank"})
 # a loop's own counters in brackets (`[epoch3] `, `[step120] `) are no rank label
 COUNTER_WORDS = frozenset("epoch ep e iter iteration it i step s batch b t loss round".split())
