@@ -4,8 +4,8 @@ output into one console, prefixing every line of node i as a cluster launcher do
   --common "ARGS"      torchrun arguments for every node (rendezvous backend, endpoint, nnodes, ...)
   --node I "ARGS"      extra torchrun arguments for node I only (a different --rdzv-id, --nnodes, --node-rank)
   --delay I S          start node I's agent S seconds after node 0's (default 1 s per node)
-  --kill I S           S seconds after node I's agent started, SIGKILL its whole process group (agent and workers:
-                       the node goes away)
+  --kill I S           S seconds after node I's agent started, SIGKILL the agent and its worker processes (the node
+                       goes away)
   --nodes N            how many nodes to start (a node that never starts: --nodes 1 with --nnodes 2 in --common)
 Usage: python fault43_nodes.py --style srun --nodes 2 --nproc-per-node 2 --common "..." -- fault43.py --fault none"""
 import argparse, os, shlex, signal, subprocess, sys, threading, time
@@ -45,8 +45,13 @@ for i in range(a.nodes):
     if i in kill:
         def killer(pr=pr, s=kill[i]):
             time.sleep(s)
-            if pr.poll() is None:
-                os.killpg(pr.pid, signal.SIGKILL)
+            if pr.poll() is None:  # the agent and its workers (torchrun starts each worker in its own session)
+                kids = subprocess.run(["pgrep", "-P", str(pr.pid)], capture_output=True, text=True).stdout.split()
+                for pid in [pr.pid] + [int(k) for k in kids]:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
         threading.Thread(target=killer, daemon=True).start()
     for stream, out in ((pr.stdout, sys.stdout), (pr.stderr, sys.stderr)):
         def pump(stream=stream, out=out, i=i):
