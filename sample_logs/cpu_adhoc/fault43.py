@@ -12,7 +12,7 @@ fault is in the command (see fault43_nodes.py). The script's own faults (--rank 
   file_dir        --init file: init_method="file:///tmp/fault43_store/pg" with rank N given a path under a folder
                   that does not exist (its own copy of the config points at another scratch folder)
   slow_step       every rank sleeps --sleep s per step (lets a node leave in the middle of training)
-  leave_once      attempt 0 only: rank N exits 1 at step 3 with a message (a worker that leaves); restarts finish
+  leave_once      attempt 0 only: rank N raises RuntimeError at step 3 (a worker that leaves); the restart finishes
 Env-only runs (plain `python fault43.py` without torchrun) read RANK/WORLD_SIZE and init_method env://.
 """
 import argparse, datetime, os, sys, time
@@ -68,8 +68,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(rank)
     for step in range(1, a.steps + 1):
         if a.fault == "leave_once" and ATTEMPT == 0 and rank == a.rank and step == 3:
-            print(f"rank {rank}: preempted by the node health check, leaving", file=sys.stderr, flush=True)
-            sys.exit(1)
+            raise RuntimeError(f"rank {rank}: node health check failed (ECC errors on this host), leaving the job")
         x, y = torch.randn(BATCH, 8, generator=g), torch.randint(0, 4, (BATCH,), generator=g)
         loss = F.cross_entropy(model(x), y)
         opt.zero_grad()
