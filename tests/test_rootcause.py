@@ -1920,3 +1920,55 @@ def test_a_store_wait_for_an_address_at_group_formation_stays_a_start_up_failure
             "keys: /default_pg/0//cpu//0/2\n") * 4
     rc = _report(tmp_path / "r.log", log)["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("dist.store_wait_timeout", "rendezvous", 2)
+
+
+def _tb(rank: int, exception: str) -> str:
+    return (f"[rank{rank}]: Traceback (most recent call last):\n[rank{rank}]:   File \"/tmp/job/fault42.py\", line 84, "
+            f"in load_batch\n[rank{rank}]:     return batch[\"y\"]\n[rank{rank}]: {exception}\n")
+
+
+def test_a_rank_that_logged_its_error_first_failed_first_though_its_traceback_comes_last(tmp_path):
+    # ord_three_np6_r3_plain: rank 3 logs its KeyError at step 2, lingers (an emergency checkpoint) and
+    # raises last; rank 0's ZeroDivisionError at step 4 is printed first
+    log = "".join(f"[rank {r}] step 2/8 loss 1.4\n" for r in (0, 1, 2))
+    log += "[rank 3] ERROR step 2 failed (KeyError); writing an emergency checkpoint before exiting\n"
+    log += "".join(f"[rank {r}] step 3/8 loss 1.3\n" for r in (0, 1, 2))
+    log += _tb(0, "ZeroDivisionError: division by zero") + _tb(3, "KeyError: 'y'")
+    rc = _report(tmp_path / "r.log", log)["root_cause"]
+    assert (rc["rank"], rc["exception_type"]) == (3, "KeyError")
+
+
+def test_a_rank_killed_before_its_traceback_is_dated_by_its_logged_error(tmp_path):
+    # ord_key_val_np4_r2_plain: rank 2's ERROR record is all it printed; rank 1's ValueError came a step later
+    log = ("[rank 1] step 2/8 loss 1.4\n[rank 2] ERROR step 2 failed (KeyError); writing an emergency checkpoint "
+           "before exiting\n[rank 3] step 2/8 loss 1.3\n" + _tb(1, "ValueError: could not convert string to float: 'n/a'"))
+    rc = _report(tmp_path / "r.log", log)["root_cause"]
+    assert (rc["rule_id"], rc["rank"]) == ("python.logged_error", 2)
+
+
+def test_a_logged_record_above_a_lost_peer_is_no_first_sign(tmp_path):
+    # skip_allreduce-like: every rank logs `training failed` and then its own gloo timeout
+    log = "".join(f"2026-12-02 05:02:03,514 [ERROR] rank {r}: training failed at step 3\n[rank{r}]: RuntimeError: "
+                  "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 15000ms for recv "
+                  "operation to complete\n" for r in (0, 1, 3))
+    rc = _report(tmp_path / "r.log", log)["root_cause"]
+    assert rc["category"] == "collective_timeout"
+
+
+def test_a_silent_exit_a_step_before_everyone_else_came_first(tmp_path):
+    # ord_osexit_index_np6_r5_prefix: rank 5 os._exit(1)s at step 2 with no line; rank 2 raises at step 3
+    log = "".join(f"[rank {r}] step 1/8 loss 1.4\n" for r in range(4))
+    log += "".join(f"[rank {r}] step 2/8 loss 1.3\n" for r in (0, 1, 2))
+    log += _tb(2, "IndexError: index 16 is out of bounds for dimension 0 with size 16")
+    log += _summary("[{i}]:\n  time      : 2026-12-03_02:03:10\n  host      : localhost\n  rank      : {r} "
+                    "(local_rank: {r})\n  exitcode  : 1 (pid: 10{r})\n  error_file: <N/A>\n  traceback : To enable "
+                    "traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n", (2, 3), 2)
+    rc = _report(tmp_path / "r.log", log)["root_cause"]
+    assert (rc["category"], rc["rank"]) == ("unknown", 3)
+
+
+def test_a_logging_formats_level_then_rank_names_the_rank(tmp_path):
+    # ord_index_key_np3_r0_loglevel_log: `[ERROR] rank 0: step 2 failed (IndexError); ...`
+    from logtriage.demux.line_marks import find_rank_marker
+    assert find_rank_marker("2026-12-03 02:06:09,292 [ERROR] rank 4: step 2 failed (KeyError)") == 4
+    assert find_rank_marker("RuntimeError: timed out waiting for rank 3: closed") is None

@@ -49,6 +49,7 @@ from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
 from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_named_ranks, group_destroyed,
                                               oom_on_shared_gpu, spawn_report_yields, timer_reaped, unresolved_host,
                                               waited_for_a_crash, writer_behind_readers)
+from logtriage.analysis.silent_first import silent_death_first
 from logtriage.analysis.stalls import heartbeat_odd_one_out, heartbeats_before_stop, watchdog_spared_rank
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
 from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, output_stopped, stalled_before_stop,
@@ -84,7 +85,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     facts = rank_facts(stream_stats, failures, findings, scan.world_size)
     root = choose_root(findings, facts)
     if root is not None:
-        root = spawn_report_yields(root, findings)
+        root = silent_death_first(spawn_report_yields(root, findings), findings, facts)
     if root is not None and srun_tasks_are_nodes(scan, failures):
         root = peers_over_node_exit(root, findings)
     if root is not None and root.rule.id in PEER_LEFT_RULES:

@@ -27,11 +27,12 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
     live = live_errors(findings, facts)
     roots = [f for f in live if f.role is Role.ROOT_CANDIDATE and not _reports_death_after_own_error(f, live)]
     roots = _numerical_signs_first(roots, live)
+    roots, onset = _from_first_logged_sign(roots, live)
     if roots:
         before = _errors_before_stop(roots, live)
         if before:
-            return _group_root(before, live, facts, 0.6)
-        return _group_root(roots, live, facts, 0.9)
+            return _group_root(before, live, facts, 0.6, onset)
+        return _group_root(roots, live, facts, 0.9, onset)
     explained = _explained_in(live)
     either = [f for f in live if f.role is Role.EITHER and not explained(f)]
     if _collective_timeouts(live):
@@ -50,7 +51,11 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
         # (torchelastic's `failed (exitcode: 3) local_rank: 1`)
         specific = [f for f in either if f.rule.id != EXIT_RULE and not _notice_of_own_exit(f, either)] or either
         confidence = 0.6 if specific[0].rule.id != EXIT_RULE else 0.35
-        return _group_root(specific, live, facts, confidence)
+        specific, onset = _from_first_logged_sign(specific, live)
+        # a logged record yields to what its rank's own later error says (it dates that error)
+        specific = [f for f in specific if f.rule.id != LOGGED_RULE or not any(
+            g.rank == f.rank and g.rule.id != LOGGED_RULE for g in specific)] or specific
+        return _group_root(specific, live, facts, confidence, onset)
     timeouts = [f for f in live if f.category is Category.COLLECTIVE_TIMEOUT and f.role is not Role.CAUSE_CONFIRMATION]
     if timeouts:
         return missing_rank_root(timeouts, live, facts, findings)
@@ -61,6 +66,36 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
         return RootCause(first.rule, first, first.rank, ranks, 0.3,
                          ("only consequences were found; the initiating error is not in this log",))
     return None
+
+
+LOGGED_RULE = "python.logged_error"
+
+
+def _from_first_logged_sign(roots: list[Finding], live: list[Finding]) -> tuple[list[Finding], dict[int, Finding]]:
+    """A rank's failure starts at the error it logged first (`[rank 3] ERROR step 2 failed (KeyError);
+    writing an emergency checkpoint before exiting`, or its own `loss is nan, stopping`), not where
+    its traceback was printed after a
+    slow cleanup, or never, the launcher stopping it first. Returns the candidates, with a rank's
+    logged error among them where it came before every candidate and its rank has none of its own,
+    and for each candidate (by id) the earlier logged error of its rank that dates it."""
+    signs: dict[int, Finding] = {}
+    for f in live:
+        said = f.rule.id == LOGGED_RULE or (f.category is Category.NUMERICAL and f.role is Role.EITHER)
+        if said and f.rank is not None and f.attributed_by != "launcher" and (
+                f.rank not in signs or earliest([f, signs[f.rank]]) is f):
+            signs[f.rank] = f
+    if not signs or not roots:
+        return roots, {}
+    onset = {id(r): signs[r.rank] for r in roots
+             if r.rank in signs and signs[r.rank] is not r and earliest([signs[r.rank], r]) is signs[r.rank]}
+    first = earliest([onset.get(id(r), r) for r in roots])
+    own = {r.rank for r in roots}
+    # a rank whose own later error is a consequence (its logged `step failed` announced a lost peer) is no sign
+    consequence = {f.rank for f in live if f.role is Role.CASCADE_CANDIDATE and f.rank in signs
+                   and earliest([signs[f.rank], f]) is signs[f.rank]}
+    early = [sign for rank, sign in signs.items()
+             if rank not in own and rank not in consequence and earliest([sign, first]) is sign]
+    return roots + early, onset
 
 
 def _numerical_signs_first(roots: list[Finding], live: list[Finding]) -> list[Finding]:
@@ -180,8 +215,15 @@ def _specific_in_block(first: Finding, candidates: list[Finding]) -> Finding:
     return replace(specific, block_exception=first.text, rank=first.rank if specific.rank is None else specific.rank)
 
 
-def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts, confidence: float) -> RootCause:
-    first = _specific_in_block(earliest(candidates), candidates)
+def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts, confidence: float,
+                onset: dict[int, Finding] | None = None) -> RootCause:
+    """The earliest candidate (dated by its rank's earlier logged error where `onset` has one) and
+    the candidates that are the same error, as one root with their ranks."""
+    keyed = [(onset.get(id(f), f) if onset else f, f) for f in candidates]
+    lead = earliest([key for key, _ in keyed])
+    chosen = next(f for key, f in keyed if key is lead)
+    dated = bool(onset) and id(chosen) in onset     # its rank logged the error before the others' were printed
+    first = _specific_in_block(chosen, candidates)
     group = [f for f in candidates if f.signature == first.signature or _raised_at_the_same_place(f, first)]
     if first.category is Category.CRASH_SIGNAL and first.attributed_by == "launcher":
         # the launcher reports each worker's signal in its own words (its `failed` line, the
@@ -202,7 +244,8 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
             if f.rank is not None:
                 first_text.setdefault(f.rank, f.text)
         if len(set(first_text.values())) <= 1:
-            rank = min(ranks)  # the very same line everywhere: no rank went first
+            # the very same line everywhere: no rank went first, unless one rank logged its error earlier
+            rank = first.rank if dated and first.rank is not None else min(ranks)
         elif rank is None:
             rank = min(ranks)
         if all(f.attributed_by == "launcher" for f in group) and facts.summary_root in ranks:

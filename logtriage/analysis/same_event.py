@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from logtriage.catalog.rule import Role
+from logtriage.demux.streams import StreamKind
 
 if TYPE_CHECKING:
     from logtriage.analysis.findings import Finding
@@ -87,11 +88,15 @@ WRAPPED_MESSAGE_REACH = 3   # lines of its stream below an exception line that i
 
 def _logged_then_said(findings: list[Finding]) -> list[Finding]:
     """A record logged at ERROR level (`step failed`) with the traceback under it, each line behind the
-    record's own header (a formatter on every line): the error a rule reads in that traceback, not a
-    consequence, says what the record only announced; the record yields to it."""
+    record's own header (a formatter on every line): the error a rule reads in that traceback (a
+    consequence too, in a rank's own stream: the record announced its lost peer) says what the record
+    only announced;
+    the record yields to it."""
     logged = [f for f in findings if f.rule.id == LOGGED_ERROR and f.is_error]
     return _yield_to_below(findings, logged, LOGGED_RECORD_REACH,
-                           lambda g: g.rule.id != LOGGED_ERROR and g.role is not Role.CASCADE_CANDIDATE)
+                           lambda g: g.rule.id != LOGGED_ERROR and not g.is_teardown and (
+                               g.role is not Role.CASCADE_CANDIDATE or g.stream.kind is StreamKind.RANK),
+                           others_between=False)
 
 
 def _message_wrapped_below(findings: list[Finding]) -> list[Finding]:
@@ -103,14 +108,22 @@ def _message_wrapped_below(findings: list[Finding]) -> list[Finding]:
     return _yield_to_below(findings, bare, WRAPPED_MESSAGE_REACH, lambda g: g.rule.id != "python.exception")
 
 
-def _yield_to_below(findings: list[Finding], announcing: list[Finding], reach: int, says_more) -> list[Finding]:
+def _yield_to_below(findings: list[Finding], announcing: list[Finding], reach: int, says_more,
+                    others_between: bool = True) -> list[Finding]:
     """The findings without each of `announcing` that has, within `reach` lines below it in its own
-    stream, an error finding that `says_more` accepts."""
+    stream, an error finding that `says_more` accepts. Without `others_between`, one that another
+    stream's error comes between stays: it was said first (a rank that logged its error, then
+    took its time, while another rank failed), and it dates its rank's failure."""
     if not announcing:
         return findings
+
+    def interleaved(f: Finding, g: Finding) -> bool:
+        return not others_between and any(h.source == f.source and f.line < h.line < g.line and h.stream != f.stream
+                                           and h.is_error and not h.is_teardown for h in findings)
+
     dropped = {id(f) for f in announcing if any(
         g.stream == f.stream and g.source == f.source and 0 < g.line - f.line <= reach
-        and g.is_error and says_more(g) for g in findings)}
+        and g.is_error and says_more(g) and not interleaved(f, g) for g in findings)}
     return [f for f in findings if id(f) not in dropped]
 
 

@@ -47,6 +47,7 @@ def marker(buf, c, end, found):
     1. `[ *(global[_ ])?rank *[:=#]? *(\\d{1,9}) *(/ *\\d+ *)?]`
     2. `(^|[ ,(|])(global_)?rank *[=:] *(\\d{1,9})\\b`
     3. `^ *rank *(\\d{1,9})( *[:|\\]]| +(step|epoch|iter|iteration|loss|batch|done|finished)\\b)`
+    (and the last ones: `(rank N)`, `> rank N` read here; `] rank N: ` left to the exact path)
     Returns the rank, -1 for none, or -2 where only the exact path can tell."""
     head_end = min(end, c + MARKER_HEAD)
     count = 0   # `found` (scratch space) gets where "rank" occurs: at most 8, beyond that the exact path
@@ -77,7 +78,31 @@ def marker(buf, c, end, found):
                 hit = _progress_word_at(buf, k, head_end, value)
                 if hit != -1:
                     return hit
-    return _opening_marker(buf, c, head_end)
+    value = _opening_marker(buf, c, head_end)
+    if value == -1:
+        for q in range(count):
+            if _after_a_bracket(buf, c, found[q], head_end):
+                return -2   # find_rank_marker's `] rank 4: ` (a logging format's level): the exact path reads it
+    return value
+
+
+@njit(cache=True, nogil=True)
+def _after_a_bracket(buf, c, p, head_end):
+    """Whether the "rank" at p follows `]` and blanks and is followed by ` ?digits: `."""
+    k = p - 1
+    if k < c or not (buf[k] == 32 or buf[k] == 9):
+        return False
+    while k >= c and (buf[k] == 32 or buf[k] == 9):
+        k -= 1
+    if k < c or buf[k] != 93:
+        return False
+    k = p + 4
+    if k < head_end and buf[k] == 32:
+        k += 1
+    start = k
+    while k < head_end and is_digit(buf[k]):
+        k += 1
+    return start < k <= start + 9 and k + 1 < head_end and buf[k] == 58 and buf[k + 1] == 32
 
 
 @njit(cache=True, nogil=True)
