@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
+from logtriage.analysis.first_signs import (LOGGED_RULE, from_first_logged_sign, numerical_signs_first,
+                                            reports_death_after_own_error)
 from logtriage.analysis.live_errors import EXIT_RULE, live_errors
 from logtriage.analysis.rank_evidence import (all_exited_alike, lone_speaker, mismatch_odd_one_out, missing_from_barrier,
                                               model_odd_one_out, odd_one_out, rank_from_exit_codes, rank_reporting_the_same,
@@ -25,9 +27,9 @@ from logtriage.demux.streams import StreamKind
 
 def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
     live = live_errors(findings, facts)
-    roots = [f for f in live if f.role is Role.ROOT_CANDIDATE and not _reports_death_after_own_error(f, live)]
-    roots = _numerical_signs_first(roots, live)
-    roots, onset = _from_first_logged_sign(roots, live)
+    roots = [f for f in live if f.role is Role.ROOT_CANDIDATE and not reports_death_after_own_error(f, live)]
+    roots = numerical_signs_first(roots, live)
+    roots, onset = from_first_logged_sign(roots, live)
     if roots:
         before = _errors_before_stop(roots, live)
         if before:
@@ -51,7 +53,7 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
         # (torchelastic's `failed (exitcode: 3) local_rank: 1`)
         specific = [f for f in either if f.rule.id != EXIT_RULE and not _notice_of_own_exit(f, either)] or either
         confidence = 0.6 if specific[0].rule.id != EXIT_RULE else 0.35
-        specific, onset = _from_first_logged_sign(specific, live)
+        specific, onset = from_first_logged_sign(specific, live)
         # a logged record yields to what its rank's own later error says (it dates that error)
         specific = [f for f in specific if f.rule.id != LOGGED_RULE or not any(
             g.rank == f.rank and g.rule.id != LOGGED_RULE for g in specific)] or specific
@@ -66,52 +68,6 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
         return RootCause(first.rule, first, first.rank, ranks, 0.3,
                          ("only consequences were found; the initiating error is not in this log",))
     return None
-
-
-LOGGED_RULE = "python.logged_error"
-
-
-def _from_first_logged_sign(roots: list[Finding], live: list[Finding]) -> tuple[list[Finding], dict[int, Finding]]:
-    """A rank's failure starts at the error it logged first (`[rank 3] ERROR step 2 failed (KeyError);
-    writing an emergency checkpoint before exiting`, or its own `loss is nan, stopping`), not where
-    its traceback was printed after a
-    slow cleanup, or never, the launcher stopping it first. Returns the candidates, with a rank's
-    logged error among them where it came before every candidate and its rank has none of its own,
-    and for each candidate (by id) the earlier logged error of its rank that dates it."""
-    signs: dict[int, Finding] = {}
-    for f in live:
-        said = f.rule.id == LOGGED_RULE or (f.category is Category.NUMERICAL and f.role is Role.EITHER)
-        if said and f.rank is not None and f.attributed_by != "launcher" and (
-                f.rank not in signs or earliest([f, signs[f.rank]]) is f):
-            signs[f.rank] = f
-    if not signs or not roots:
-        return roots, {}
-    onset = {id(r): signs[r.rank] for r in roots
-             if r.rank in signs and signs[r.rank] is not r and earliest([signs[r.rank], r]) is signs[r.rank]}
-    first = earliest([onset.get(id(r), r) for r in roots])
-    own = {r.rank for r in roots}
-    # a rank whose own later error is a consequence (its logged `step failed` announced a lost peer) is no sign
-    consequence = {f.rank for f in live if f.role is Role.CASCADE_CANDIDATE and f.rank in signs
-                   and earliest([signs[f.rank], f]) is signs[f.rank]}
-    early = [sign for rank, sign in signs.items()
-             if rank not in own and rank not in consequence and earliest([sign, first]) is sign]
-    return roots + early, onset
-
-
-def _numerical_signs_first(roots: list[Finding], live: list[Finding]) -> list[Finding]:
-    """A NaN reading logged (a non-finite grad norm) after its stream already printed a non-finite
-    loss reports that loss's consequence: the loss's line, the first sign, stands in for it (a loss
-    that diverged to inf, then the gradients did). A check that raised (`clip_grad_norm_`'s
-    error_if_nonfinite) stays the root: it is what ended the rank."""
-    out: list[Finding] = []
-    for root in roots:
-        if root.category is Category.NUMERICAL and not root.exception_type:
-            signs = [f for f in live if f.role is Role.EITHER and f.category is Category.NUMERICAL
-                     and f.stream == root.stream and f.seq < root.seq]
-            root = min(signs, key=lambda f: f.seq) if signs else root
-        if all(root is not f for f in out):
-            out.append(root)
-    return out
 
 
 # what a job stopped by the scheduler shows as its stop, not as an error of its own
@@ -136,17 +92,6 @@ def _errors_before_stop(roots: list[Finding], live: list[Finding]) -> list[Findi
     return [f for f in live if f.role is Role.EITHER and f.category not in _STOP_ECHOES
             and f.attributed_by != "launcher" and not explained(f)
             and earliest([f, stop]) is f and f.seq < stop.seq]
-
-
-def _reports_death_after_own_error(finding: Finding, live: list[Finding]) -> bool:
-    """A launcher's or scheduler's report that a rank died of a signal (srun's `task 4: Segmentation
-    fault`, mpirun's `process rank 4 ... exited on signal 11`) after that rank printed an error of
-    its own: the report confirms how the rank ended, the rank's own error says why."""
-    if finding.category is not Category.CRASH_SIGNAL or finding.rank is None \
-            or finding.attributed_by not in ("capture", "launcher") or finding.stream.kind is StreamKind.RANK:
-        return False
-    return any(other.rank == finding.rank and other.stream.kind is StreamKind.RANK and other.seq < finding.seq
-               and other.category is not Category.CRASH_SIGNAL for other in live)
 
 
 def warning_root(findings: list[Finding]) -> RootCause | None:
