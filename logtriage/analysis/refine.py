@@ -7,10 +7,10 @@ of stops and signals in signal_readings.py."""
 from __future__ import annotations
 
 import re
-from collections import Counter
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
+from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.hangs import fallback_rule
 from logtriage.analysis.signal_readings import exit_rule
 from logtriage.analysis.roots import RankFacts, RootCause, earliest
@@ -77,13 +77,9 @@ def at_the_odd_step(root: RootCause, facts: RankFacts, confidence: float, why: s
     other rank's (which all reached the same one): it went its own way. `why` is a reason with
     {rank}, {step} and {others} (that rank's last step, the others')."""
     steps = facts.last_step
-    if len(steps) < 3 or len(steps) < len(facts.known) or len(set(steps.values())) != 2:
+    rank = odd_one_out(steps) if len(steps) >= len(facts.known) else None
+    if rank is None:
         return root
-    counts = Counter(steps.values())
-    odd = [r for r, s in steps.items() if counts[s] == 1]
-    if len(odd) != 1:
-        return root
-    rank = odd[0]
     others = next(s for r, s in steps.items() if r != rank)
     return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, confidence),
                    reasons=root.reasons + (why.format(rank=rank, step=steps[rank], others=others),))

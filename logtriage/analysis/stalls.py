@@ -5,18 +5,18 @@ rank but one, the one the others were waiting for."""
 
 from __future__ import annotations
 
-import re
-from collections import Counter
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding, mask_numbers
 from logtriage.analysis.hangs import fallback_rule
+from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.refine import STOPPED_WHILE_WAITING, at_the_odd_step
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.stopped import message_of
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
 from logtriage.demux.line_marks import find_rank_marker
+from logtriage.demux.split import split_glued
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.ingest.lines import read_lines
 from logtriage.rank_ranges import ranges
@@ -25,8 +25,6 @@ from logtriage.scan_result import ScanResult, step_number
 WINDOW = 160          # lines read back before the stop
 REPEATS = 3           # heartbeats at one step that make a stall
 WATCHDOG_RULE = "hang.watchdog_heartbeat"
-# two ranks' heartbeats glued on one physical line (`... phase data[rank 3] alive step 3 ...`)
-_GLUED_MARKER = re.compile(r"(?<=\S)(?=\[rank ?\d{1,6}\] )")
 
 
 def heartbeats_before_stop(scan: ScanResult, keys: list[StreamKey], root: RootCause, findings: list[Finding],
@@ -113,7 +111,7 @@ def _progress_before(scan: ScanResult, keys: list[StreamKey], source: int, end: 
             break
         key = keys[scan.slots.final(index.slots[number - 1])]
         own = key.rank if key.kind is StreamKind.RANK else None
-        for piece in _GLUED_MARKER.split(message_of(texts.get(number, ""))):
+        for piece in split_glued(message_of(texts.get(number, ""))):   # two ranks' heartbeats on one line
             step = step_number(piece)
             marked = find_rank_marker(piece)
             rank = own if marked is None else marked
@@ -131,13 +129,9 @@ def _odd_heartbeat(stalled: dict[int, list]) -> tuple[int | None, str]:
     if len(stalled) == 1:
         return next(iter(stalled)), ""
     said = {rank: texts[-1][1] for rank, texts in stalled.items()}
-    counts = Counter(said.values())
-    if len(stalled) < 3 or len(counts) != 2:
+    rank = odd_one_out(said)
+    if rank is None:
         return None, ""
-    odd = [rank for rank, text in said.items() if counts[text] == 1]
-    if len(odd) != 1:
-        return None, ""
-    rank = odd[0]
-    common = next(text for text in said.values() if counts[text] > 1)
+    common = next(text for r, text in said.items() if r != rank)
     return rank, (f"rank {rank}'s heartbeat (`{said[rank]}`) differs from every other rank's (`{common}`): "
                   f"the others waited for rank {rank}")
