@@ -15,9 +15,13 @@ Faults:
   nofile_open   RLIMIT_NOFILE = open fds + 16 on rank N at start; at step 3 it opens the 40 files of its shard set
                 (keeping a handle per shard): OSError [Errno 24] Too many open files
   nofile_gloo   RLIMIT_NOFILE = open fds + 2 on rank N BEFORE init_process_group: gloo's connections cannot be made
-  fsize_sig     RLIMIT_FSIZE = 256 KiB on rank N; at step 3 every rank saves a checkpoint with a 2 MiB buffer:
-                SIGXFSZ kills rank N
-  fsize_ign     the same with SIGXFSZ ignored: the write fails with EFBIG (errno 27) instead
+  fsize_sig     RLIMIT_FSIZE = 256 KiB on rank N; at step 3 every rank torch.save()s a checkpoint with a 2 MiB buffer.
+                As observed: the kernel cuts the write at the limit, torch's stream writer fails on the short write
+                ("basic_ios::clear: iostream error", "unexpected pos"); no write starts past the limit, no SIGXFSZ
+  fsize_ign     the same with SIGXFSZ ignored (the same outcome)
+  fsizebuf      the same limit; the checkpoint is serialised to a BytesIO and written with one Python write(): the
+                retried write past the limit fails; CPython ignores SIGXFSZ from start-up, so OSError [Errno 27]
+  fsizebuf_dfl  the same with SIGXFSZ put back to SIG_DFL: the write past the limit gets SIGXFSZ, which kills rank N
   cpu           RLIMIT_CPU = CPU time used + 3 s on rank N; at step 3 it runs a CPU-heavy evaluation: SIGXCPU
   diskfull      at step 3 rank N saves its checkpoint to a volume that is full (/dev/full): ENOSPC (errno 28)
   diskfull_json at step 3 rank N writes its metrics JSON to a full volume (/dev/full): OSError [Errno 28]
@@ -34,7 +38,7 @@ Faults:
                 script catches; it logs a WARNING and streams instead; exit 0
   ok_fsize      control: RLIMIT_FSIZE = 64 MiB on rank N; the checkpoints are far smaller; exit 0
 """
-import argparse, datetime, json, os, pickle, resource, signal, sys, threading, time
+import argparse, datetime, io, json, os, pickle, resource, signal, sys, threading, time
 
 p = argparse.ArgumentParser()
 p.add_argument("--fault", default="none")
@@ -154,10 +158,12 @@ def main() -> None:
         elif f == "nofile_open":
             nfd = len(os.listdir("/proc/self/fd"))
             resource.setrlimit(resource.RLIMIT_NOFILE, (nfd + 16, nfd + 16))
-        elif f in ("fsize_sig", "fsize_ign"):
+        elif f in ("fsize_sig", "fsize_ign", "fsizebuf", "fsizebuf_dfl"):
             resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
             if f == "fsize_ign":
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            if f == "fsizebuf_dfl":  # CPython ignores SIGXFSZ at start-up; put the kernel's default back
+                signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
         elif f == "ok_fsize":
             resource.setrlimit(resource.RLIMIT_FSIZE, (64 * MiB, 64 * MiB))
         elif f in ("nproc_thread", "nproc_loader"):
@@ -245,13 +251,19 @@ def main() -> None:
         loss.backward()
         opt.step()
         print(f"rank {rank} step {step} loss {loss.item():.4f}", flush=True)
-        if step == 3 and f in ("fsize_sig", "fsize_ign", "ok_fsize", "diskfull"):
+        if step == 3 and f in ("fsize_sig", "fsize_ign", "fsizebuf", "fsizebuf_dfl", "ok_fsize", "diskfull"):
             state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
                      "ema_stats": torch.zeros(512 * 1024)}
             path = f"{a.ckdir}/rank{rank}_step{step}.pt"
             if f == "diskfull" and here:
                 path = "/tmp/fault44/fullvol/rank%d_step%d.pt" % (rank, step)
-            torch.save(state, path)
+            if f.startswith("fsizebuf"):  # serialise to memory, then write the file in one go
+                buf = io.BytesIO()
+                torch.save(state, buf)
+                with open(path, "wb") as fh:
+                    fh.write(buf.getvalue())
+            else:
+                torch.save(state, path)
             print(f"rank {rank} saved checkpoint {path}", flush=True)
         if step == 3 and f == "diskfull_json" and here:
             path = "/tmp/fault44/fullvol/metrics_rank%d.json" % rank
