@@ -76,10 +76,15 @@ class Prefetcher:
         self.fh.read(1)
 
 
+def shard_dir() -> str:
+    n = a.expect_world if a.fault == "world" else WORLD
+    return os.path.join(a.workdir, "data", f"split{n}")
+
+
 def make_shards() -> str:
-    d = os.path.join(a.workdir, "shards")
+    d = shard_dir()
     os.makedirs(d, exist_ok=True)
-    for k in range(a.expect_world):
+    for k in range(a.expect_world if a.fault == "world" else WORLD):
         path = os.path.join(d, f"shard-{k:05d}.pt")
         if not os.path.exists(path):
             g = torch.Generator().manual_seed(k)
@@ -107,7 +112,7 @@ def main() -> None:
         print(f"world_size={WORLD} backend=gloo torch={torch.__version__} fault={f}", flush=True)
     d = make_shards() if RANK == 0 else None
     dist.barrier()
-    d = os.path.join(a.workdir, "shards")
+    d = shard_dir()
     shard = os.path.join(d, f"shard-{RANK:05d}.pt")
     if f == "world" and RANK >= a.expect_world:
         say(f"loading {shard} (data split for {a.expect_world} ranks)")
