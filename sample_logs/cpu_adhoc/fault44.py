@@ -38,7 +38,7 @@ Faults:
                 script catches; it logs a WARNING and streams instead; exit 0
   ok_fsize      control: RLIMIT_FSIZE = 64 MiB on rank N; the checkpoints are far smaller; exit 0
 """
-import argparse, datetime, io, json, os, pickle, resource, signal, sys, threading, time
+import argparse, datetime, importlib, io, json, os, pickle, resource, signal, sys, threading, time
 
 p = argparse.ArgumentParser()
 p.add_argument("--fault", default="none")
@@ -167,6 +167,10 @@ def main() -> None:
         elif f == "ok_fsize":
             resource.setrlimit(resource.RLIMIT_FSIZE, (64 * MiB, 64 * MiB))
         elif f in ("nproc_thread", "nproc_loader"):
+            # nobody cannot read root's Python install: load what a DataLoader's workers need first
+            import multiprocessing.queues, multiprocessing.synchronize, multiprocessing.popen_fork  # noqa: F401
+            import multiprocessing.connection, multiprocessing.reduction, multiprocessing.resource_tracker  # noqa: F401
+            importlib.import_module("torch.utils.data._utils.worker")
             os.setgid(65534)
             os.setuid(65534)
             nthr = len(os.listdir("/proc/self/task"))
