@@ -175,6 +175,9 @@ def main() -> None:
             os.setuid(65534)
             nthr = len(os.listdir("/proc/self/task"))
             resource.setrlimit(resource.RLIMIT_NPROC, (nthr, nthr))
+        elif f == "cpu":
+            used = int(sum(resource.getrusage(resource.RUSAGE_SELF)[:2])) + 1
+            resource.setrlimit(resource.RLIMIT_CPU, (used + 3, used + 10))
         elif f == "stack_segv":
             sys.setrecursionlimit(10 ** 6)
             resource.setrlimit(resource.RLIMIT_STACK, (2 * MiB, 2 * MiB))
