@@ -24,7 +24,8 @@ A small DDP loop on gloo (Linear(8,16)-ReLU-Linear(16,4), SGD, batch 16, PG time
                 DataLoader worker process 0')
   tensor_hook   a gradient-logging hook (param.register_hook) reshapes the gradient to a wrong shape at step S
   comm_hook     a DDP communication hook (register_comm_hook) that views the bucket with a wrong shape at step S
-  autograd_fn   a custom autograd.Function (straight-through clamp) whose backward returns two gradients at step S
+  autograd_fn   a custom autograd.Function (straight-through clamp of the logits) whose backward returns two gradients
+                at step S (the first version clamped the input batch, which needs no gradient: backward never ran)
   prehook       a forward pre-hook normalises the input with running stats and misses a key at step S (KeyError)
   recompute     torch.utils.checkpoint (use_reentrant=False) around a block that pops its cached mask: the
                 recomputation in backward finds it gone (KeyError)
@@ -111,7 +112,7 @@ class ClampSTE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         if ME and STATE["step"] == a.step:
-            return g, None  # one gradient too many
+            return g, g * 0  # one gradient too many
         return g
 
 
@@ -245,8 +246,6 @@ def main():
                     torch.save(model.state_dict(), f"{MISSING}/emergency_step{step}.pt")
                     raise
                 raise DataPipelineError(f"rank {RANK}: could not build the batch of step {step}") from e
-        if a.fault == "autograd_fn":
-            x = ClampSTE.apply(x)
         if a.fault == "recompute":
             cache = {"mask": (torch.rand(BATCH, 8) > 0.1).float()}
             recompute = ME and step == a.step
@@ -256,7 +255,10 @@ def main():
                 return inp * m
             x = x.requires_grad_(True)
             x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-        loss = F.cross_entropy(model(x), y)
+        out = model(x)
+        if a.fault == "autograd_fn":
+            out = ClampSTE.apply(out)  # straight-through clamp of the logits
+        loss = F.cross_entropy(out, y)
         opt.zero_grad()
         loss.backward()
         opt.step()
