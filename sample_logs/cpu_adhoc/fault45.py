@@ -38,7 +38,7 @@ p.add_argument("--warn", action="store_true")
 p.add_argument("--del-noise", action="store_true")
 p.add_argument("--manual", action="store_true")
 p.add_argument("--tqdm", action="store_true")
-p.add_argument("--log", action="store_true")
+p.add_argument("--logfmt", action="store_true", help="logging records instead of prints (not --log: torchrun takes that for an abbreviation of its --log-dir)")
 p.add_argument("--set-logs", action="store_true", help="torch._logging.set_logs(dist_c10d=logging.DEBUG)")
 p.add_argument("--workdir", default="/tmp/fault45")
 a = p.parse_args()
@@ -51,14 +51,14 @@ RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
 BATCH = 16
 log = logging.getLogger("train")
-if a.log:
+if a.logfmt:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank{RANK}] %(name)s: %(message)s")
 if a.set_logs:
     torch._logging.set_logs(dist_c10d=logging.DEBUG)
 
 
 def say(msg: str) -> None:
-    if a.log:
+    if a.logfmt:
         log.info(msg)
     else:
         print(f"rank {RANK} {msg}", flush=True)
