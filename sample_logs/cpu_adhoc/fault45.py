@@ -1,6 +1,6 @@
 """A forty-fifth hand-run batch: VERBOSE DEBUG ENVIRONMENTS. The loop is a small DDP loop on gloo
 (Linear(8,16)-ReLU-Linear(16,4), SGD, batch 16, `--steps` steps (default 12), PG timeout 15 s) printing one progress
-line per step (`rank R step S/N loss L`, or a tqdm bar with --tqdm, or logging records with --log). ONE plain fault per
+line per step (`rank R step S/N loss L`, or a tqdm bar with --tqdm, or logging records with --logfmt). ONE plain fault per
 run on rank --rank at step --step (default 4); the noise comes from the environment the run is launched under
 (TORCH_DISTRIBUTED_DEBUG, TORCH_CPP_LOG_LEVEL, LOGLEVEL, TORCH_SHOW_CPP_STACKTRACES, PYTHONFAULTHANDLER,
 PYTHONWARNINGS, TORCH_LOGS, NCCL_DEBUG, GLOO_*/TORCH_NCCL_*, python -X dev), not from the script.
