@@ -108,6 +108,9 @@ class LineScanner:
         result.block_cause_frames.update(tracebacks.cause_frames)
         result.block_cause_files.update(tracebacks.cause_files)
         result.block_handling_lines.update(tracebacks.handling_lines)
+        result.block_threads.update(tracebacks.threads)
+        result.block_exit_hooks.update(tracebacks.exit_hooks)
+        result.block_handler_calls_failed.update(tracebacks.handler_calls_failed)
         for block_id, line in tracebacks.exception_lines.items():
             result.block_exception_lines[block_id] = (self.source.index, line)
         result.input_lines += self.lines

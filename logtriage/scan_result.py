@@ -85,7 +85,11 @@ class ScanResult:
     block_cause_frames: dict[int, str] = field(default_factory=dict)   # a chain's first exception's frame
     block_cause_files: dict[int, str] = field(default_factory=dict)    # that frame's file
     block_exception_lines: dict[int, tuple[int, int]] = field(default_factory=dict)  # -> (source, line)
-    block_handling_lines: dict[int, int] = field(default_factory=dict)   # its "During handling ..." line
+    block_handling_lines: dict[int, int] = field(default_factory=dict)
+    block_threads: set[int] = field(default_factory=set)   # tracebacks a thread printed as it died
+    block_exit_hooks: set[int] = field(default_factory=set)   # weakref.finalize's at exit (not fatal)
+    # chained tracebacks whose handler failed in a call of its own (not re-raising the first exception)
+    block_handler_calls_failed: set[int] = field(default_factory=set)   # its "During handling ..." line
     indexes: list[SourceIndex] = field(default_factory=list)
     input_lines: int = 0
     fragments: int = 0

@@ -1688,10 +1688,14 @@ def test_a_handler_that_fails_while_handling_is_not_the_root(tmp_path):
     rc = report["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.exception", "python_exception", 3)
     assert "mat1 and mat2" in rc["text"]
-    # alone (no peer handled a lost connection the same way), the second error is a library's plainer
-    # word for the first, as before (a KeyError read as "model type not recognised")
+    # alone (no peer handled a lost connection the same way), the handler's exception is still its own
+    # call's (raised in `on_exception`, a function the first exception never passed through)
     alone = chained(3, "RuntimeError: mat1 and mat2 shapes cannot be multiplied (16x7 and 8x16)")
-    assert _report(log, alone)["root_cause"]["rule_id"] == "ckpt.write_failed"
+    assert _report(log, alone)["root_cause"]["rule_id"] == "python.exception"
+    # a handler that raises its own, plainer error about the first from the function that caught it is
+    # a library's word for it (a KeyError read as "model type not recognised"): that one is reported
+    reworded = alone.replace('in on_exception\n', 'in main\n')
+    assert _report(log, reworded)["root_cause"]["rule_id"] == "ckpt.write_failed"
     # an exception raised "from" another (an explicit cause) is the one reported, as before
     direct = chained(3, "KeyError: 'y'").replace(
         "During handling of the above exception, another exception occurred:",

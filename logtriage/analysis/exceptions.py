@@ -84,6 +84,8 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
 # with num_gpus = torch.cuda.device_count(): zero visible GPUs divide by zero there.
 GPU_COUNT_FRAMES = frozenset({"_init_dist_pytorch", "_init_dist_slurm", "_init_dist_mpi", "init_dist"})
 # torchrun parsing its own options (`--nproc_per_node gpu|cpu|auto|N`): a bad value is a usage error
+# where Python forks a child (multiprocessing's fork start method, subprocess): EAGAIN there is a process limit
+_FORK_FRAME = re.compile(r"multiprocessing/popen_fork\.py$|/subprocess\.py$")
 LAUNCHER_OPTION_FRAMES = frozenset({"determine_local_world_size", "parse_min_max_nnodes", "_get_rdzv_endpoint"})
 # DCP's state-dict helper maps each optimizer parameter to the model's names (fqn_pid_mapping)
 OPTIM_STATE_FRAME = "_get_optim_state_dict"
@@ -155,6 +157,10 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
             "the KeyError is raised in DCP's `_get_optim_state_dict`, which maps the optimizer's parameters to the "
             "model's: the optimizer holds parameters the (sharded) model does not, as when it was built before "
             "FSDP or fully_shard replaced them")
+    elif kind == "BlockingIOError" and root.rule.id in GENERIC_RULES and _FORK_FRAME.search(f.last_file):
+        rule, why = catalog.get("host.thread_limit"), (
+            f"the BlockingIOError (EAGAIN) is raised in `{f.last_frame}`, where the process forks a child: the "
+            "host's or container's limit on processes/threads was reached (a DataLoader worker, a subprocess)")
     elif root.rule.id == "ckpt.write_failed" and f.last_frame and not f.checkpoint_frame and _DISK_FULL.search(f.text):
         rule, why = catalog.get("host.filesystem_error"), (
             f"the disk filled up in `{f.last_frame}`, outside any checkpoint code (no save frame): another "

@@ -34,8 +34,8 @@ def unrecognised_exception(scan: ScanResult, keys: list[StreamKey], catalog: Cat
     for block_id in sorted(scan.block_exception_lines, reverse=True):
         slot = scan.block_slots.get(block_id)
         exception = scan.block_exceptions.get(block_id, "")
-        if slot is None or not exception:
-            continue
+        if slot is None or not exception or block_id in scan.block_exit_hooks:
+            continue   # (a finalizer's exception at exit: printed, and the exit went on)
         stream = keys[scan.slots.final(slot)]
         if stream.kind is StreamKind.LAUNCHER:
             continue

@@ -90,6 +90,7 @@ class Finding:
     broadcast_src: int | None = None  # the src rank of the broadcast that traceback was in
     last_file: str = ""               # the file of last_frame (`.../site-packages/flash_attn/...`)
     went_on: bool = False             # the program said it went on from this (went_on.py)
+    in_thread: bool = False           # that traceback is a thread's, printed as the thread died
 
     @property
     def role(self) -> Role:
@@ -161,8 +162,9 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
     tasks_are_nodes = srun_tasks_are_nodes(scan, failures)
     findings = []
     for hit in sorted([*primary.values(), *extra], key=lambda h: h.seq):
-        if scan.block_kinds.get(hit.block_id) == "ignored" and hit.rule.role is not Role.CONTEXT:
-            continue   # an exception CPython printed and went on from (a __del__ at exit)
+        if (scan.block_kinds.get(hit.block_id) == "ignored" or hit.block_id in scan.block_exit_hooks) \
+                and hit.rule.role is not Role.CONTEXT:
+            continue   # an exception CPython printed and went on from (a __del__, a finalizer at exit)
         if (hit.captures.get("exception_type", "").endswith("Warning")
                 and scan.block_kinds.get(hit.block_id) != "traceback"):
             continue   # a warning is raised only at a traceback's end; elsewhere it was printed (its path wrapped)
@@ -189,7 +191,8 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
                                 hit.block_id, hit.seq, stamp, how, scan.block_exceptions.get(hit.block_id, ""),
                                 collective,
                                 scan.block_checkpoint_frames.get(hit.block_id, ""), frame,
-                                scan.block_broadcast_sources.get(hit.block_id), frame_file))
+                                scan.block_broadcast_sources.get(hit.block_id), frame_file,
+                                in_thread=hit.block_id in scan.block_threads))
     findings = one_reading_per_event(mark_went_on(findings), scan)
     return attribute_by_signal(findings, failures)
 

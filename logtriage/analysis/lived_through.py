@@ -22,8 +22,10 @@ def lived_through(live: list[Finding], facts: RankFacts) -> list[Finding]:
     if not facts.last_progress:
         return live
     reports, sharers = launcher_reports(live), ranks_by_rule(live)
+    fatal = _what_ranks_died_of(live, facts)
     kept = [f for f in live if f.role not in (Role.ROOT_CANDIDATE, Role.EITHER)
-            or not (progress_after(f, facts, reports, sharers) or _another_error_later(f, live))]
+            or not ((f.signature not in fatal and progress_after(f, facts, reports, sharers))
+                    or _another_error_later(f, live))]
     # only consequences left (peers that lost the rank which went on out of step): the error it
     # went on from is still where it started
     return kept if any(f.role in (Role.ROOT_CANDIDATE, Role.EITHER) for f in kept) else live
@@ -37,13 +39,27 @@ _EXCEPTION_LINE = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Excepti
 _NONFINITE = re.compile(r"\b(?:nan|inf)\b", re.IGNORECASE)
 
 
+def _what_ranks_died_of(live: list[Finding], facts: RankFacts) -> set[str]:
+    """The signatures of the last error of each rank that ended of its own failure (the launcher's
+    exit code): an error that ended some ranks is no error the others went on from, though their
+    buffered progress lines come after it (`--tee`: stderr's traceback before stdout's last steps)
+    and the agent stopped them with SIGTERM while they were dying of it."""
+    last: dict[int, Finding] = {}
+    for f in live:
+        if f.rank is not None and f.stream.kind is StreamKind.RANK and f.role in (Role.ROOT_CANDIDATE, Role.EITHER) \
+                and f.block_id >= 0:
+            last[f.rank] = f
+    return {f.signature for rank, f in last.items()
+            if rank in facts.exit_codes and is_own_failure(facts.exit_codes[rank])}
+
+
 def _another_error_later(finding: Finding, live: list[Finding]) -> bool:
     """A rank's exception followed, in its own stream, by an exception of another type in a later
     traceback (not a lost peer, not a signal): the process lived through the first (a caught
     evaluation error, then the one that ended it)."""
     if finding.stream.kind is not StreamKind.RANK or finding.block_id < 0 or finding.category in _NOT_GONE_ON \
-            or finding.category is Category.NUMERICAL:
-        return False
+            or finding.category is Category.NUMERICAL or finding.in_thread:
+        return False   # (a thread that died left its work undone: what fails later follows from it)
     kind = _exception_type(finding)
     if not kind:
         return False   # (a C++ log line and the Python exception it becomes are one failure)

@@ -56,7 +56,9 @@ def rank_the_timeouts_wait_for(first: Finding, live: list[Finding], facts: RankF
     waiting rank fail first."""
     if first.category in (Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR):
         return None
-    timed_out = {f.rank for f in live if f.rank is not None and f.category is Category.COLLECTIVE_TIMEOUT}
+    # the ranks that waited: timed out in a collective, or lost the peer that gave up waiting first
+    timed_out = {f.rank for f in live if f.rank is not None
+                 and f.category in (Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR)}
     missing = facts.known - timed_out
     awaited = {int(m.group(1)) for f in live if (m := _AWAITED_RANK.search(f.captures.get("keys", "")))}
     if len(awaited) == 1 and awaited <= facts.known:

@@ -30,7 +30,8 @@ def one_reading_per_event(findings: list[Finding], scan: ScanResult) -> list[Fin
     (and the tracebacks logged under them) marked as gone on from."""
     findings = _logged_going_on(findings, scan.blocks, scan.block_kinds)
     return _logged_then_said(_message_wrapped_below(
-        _best_per_traceback(_before_the_handler(findings, scan.block_handling_lines), scan.block_kinds)))
+        _best_per_traceback(_before_the_handler(findings, scan.block_handling_lines,
+                                                               scan.block_handler_calls_failed), scan.block_kinds)))
 
 
 _GOING_ON = re.compile(r"\b(?:continu(?:e|es|ing)|retry(?:ing)?|will retry|skipp(?:ing|ed)|fall(?:ing)? ?back"
@@ -59,13 +60,15 @@ def _logged_going_on(findings: list[Finding], blocks: dict[int, tuple[int, int, 
     return out
 
 
-def _before_the_handler(findings: list[Finding], handling: dict[int, int]) -> list[Finding]:
+def _before_the_handler(findings: list[Finding], handling: dict[int, int], calls_failed: set[int]) -> list[Finding]:
     """In a traceback chained by "During handling of the above exception, another exception
     occurred", a library usually raises its own, plainer error about the first (a KeyError read as
     "model type not recognised"); but where the same second error also follows a lost peer on another
     rank (a Connection closed by peer handled the same way), it is the handler's own failure (an
     emergency checkpoint into a missing folder, a barrier the others never reach), whatever the
-    first exception was: then each such traceback is read by its first exception."""
+    first exception was: then each such traceback is read by its first exception. So is one whose
+    handler failed in a call of its own (`calls_failed`: its innermost frame is not one the first
+    exception passed through, as a library's `raise ValueError(...)` in its `except` is)."""
     if not handling:
         return findings
     first: dict[int, list[Finding]] = {}
@@ -75,7 +78,8 @@ def _before_the_handler(findings: list[Finding], handling: dict[int, int]) -> li
             (first if f.line < handling[f.block_id] else then).setdefault(f.block_id, []).append(f)
     after_a_lost_peer = {g.rule.id for block, found in first.items() if block in then
                          and all(f.role is Role.CASCADE_CANDIDATE for f in found) for g in then[block]}
-    own = {block for block in first.keys() & then.keys() if any(g.rule.id in after_a_lost_peer for g in then[block])}
+    own = {block for block in first.keys() & then.keys()
+           if block in calls_failed or any(g.rule.id in after_a_lost_peer for g in then[block])}
     if not own:
         return findings
     dropped = {id(g) for block in own for g in then[block]}

@@ -46,6 +46,7 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
         state["cause_file"] = state.get("last_file", "")
         if text.startswith("During handling"):
             state["handling"] = None   # its line number comes with Assigner.note_line_number
+            state["handler_in"] = frozenset(state.get("functions", ()))
     if "src" in text and "File " not in text:
         m = BROADCAST_SOURCE.search(text)
         if m:
@@ -53,6 +54,12 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
     if ", in " in text:
         frame = FRAME.match(text)
         if frame:
+            if "cause_frame" not in state:
+                state.setdefault("functions", set()).add(frame.group(3))   # the first exception's frames
+            if "last_frame" not in state and frame.group(2).endswith(("threading.py", "weakref.py")):
+                # the outermost frame: a thread's run (`Exception in thread X:`), or weakref.finalize's
+                # callbacks as the interpreter exits (printed, then the exit goes on with its code)
+                state["outermost"] = frame.group(3)
             state["last_file"], state["last_frame"] = frame.group(2), frame.group(3)
         if "checkpoint" not in state and not ACTIVATION_CHECKPOINT.search(text):
             m = CHECKPOINT_FRAME.search(text)
@@ -61,6 +68,9 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
                 state["checkpoint"] = m.group(1) or m.group(2) or f"{function} ({path})"
     if bare and LAUNCHER_FRAME.search(text):
         state["launcher"] = True
+
+
+_CLEANUP_FRAMES = frozenset({"__exit__", "__aexit__"})
 
 
 @dataclass
@@ -78,6 +88,9 @@ class TracebackFacts:
     # the line "During handling of the above exception, another exception occurred:": what came after
     # it is the handler's own failure (an emergency save, a barrier, a log call that failed)
     handling_lines: dict[int, int] = field(default_factory=dict)
+    threads: set[int] = field(default_factory=set)                    # a thread's (not the main program's)
+    exit_hooks: set[int] = field(default_factory=set)                 # a finalizer's at interpreter exit
+    handler_calls_failed: set[int] = field(default_factory=set)       # see record()
 
     def record(self, block_id: int, state: dict) -> None:
         if state.get("exception"):
@@ -98,3 +111,12 @@ class TracebackFacts:
             self.exception_lines[block_id] = state["exception_line"]
         if state.get("handling"):
             self.handling_lines[block_id] = state["handling"]
+        if state.get("outermost") == "_bootstrap_inner":
+            self.threads.add(block_id)
+        elif state.get("outermost") == "_exitfunc":
+            self.exit_hooks.add(block_id)
+        if state.get("handler_in") and state.get("last_frame") not in state["handler_in"] | _CLEANUP_FRAMES:
+            # the handler's exception was raised in a function the first one never passed through: a
+            # call the handler made failed (an emergency save, a barrier), not the handler re-raising
+            # (nor a `with` block's own cleanup, whose failure is the same operation's, often plainer)
+            self.handler_calls_failed.add(block_id)

@@ -46,7 +46,7 @@ def marker(buf, c, end, found):
     (case-insensitive), trying its three patterns in order:
     1. `[ *(global[_ ])?rank *[:=#]? *(\\d{1,9}) *(/ *\\d+ *)?]`
     2. `(^|[ ,(|])(global_)?rank *[=:] *(\\d{1,9})\\b`
-    3. `^ *rank *(\\d{1,9})( *[:|\\]]| +(step|epoch|iter|iteration|loss|batch|done|finished)\\b)`
+    3. `^ *rank *(\\d{1,9})( *[:|\\]]| +(step|epoch|...|finished|training|...|started)\\b)` (line_marks.py's list)
     (and the last ones: `(rank N)`, `> rank N` read here; `] rank N: ` left to the exact path)
     Returns the rank, -1 for none, or -2 where only the exact path can tell."""
     head_end = min(end, c + MARKER_HEAD)
@@ -147,7 +147,9 @@ def _word_at(buf, k, head_end, word):
 
 
 _PROGRESS_WORDS = tuple(np.frombuffer(w, dtype=np.uint8) for w in (
-    b"step", b"epoch", b"iter", b"iteration", b"loss", b"batch", b"done", b"finished"))
+    b"step", b"epoch", b"iter", b"iteration", b"loss", b"batch", b"done", b"finished", b"training", b"train",
+    b"eval", b"evaluation", b"saved", b"saving", b"loading", b"world", b"error", b"warning", b"exiting",
+    b"starting", b"started"))
 
 
 @njit(cache=True, nogil=True)
