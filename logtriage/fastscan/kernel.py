@@ -8,7 +8,8 @@ any rule able to match it. Everything this kernel cannot decide is flagged NOT_P
 through `LineScanner.line`; the catalog prefilter (prefilter.py) flags the rest.
 
 The decisions mirror demux/prefixes.py, demux/split.py and line_marks.find_rank_marker (the byte
-readers of prefixes and markers are in kernel_prefixes.py and kernel_markers.py); the
+readers of prefixes, markers and line shapes are in kernel_prefixes.py, kernel_markers.py and
+kernel_lines.py); the
 equality test (tests/test_fastscan.py) runs both paths on every sample log.
 """
 
@@ -19,7 +20,8 @@ from numba import njit
 
 from logtriage.fastscan.flags import (  # noqa: F401
     COLLECTOR_STAMP, EMPTY, INHERIT, NO_RANK, NOT_PLAIN, SRUN_LABEL, STEP, STEP2)
-from logtriage.fastscan.kernel_markers import bracket_is_plain, is_rank_at, is_step_at, leading, marker, user_marker_len
+from logtriage.fastscan.kernel_lines import bar_then_text, has_high, has_pid, has_rank, is_stream_tag, redraw
+from logtriage.fastscan.kernel_markers import bracket_is_plain, is_step_at, leading, marker, user_marker_len
 from logtriage.fastscan.kernel_prefixes import collector_stamp, excepthook, is_digit, srun_label, tee
 
 MAX_PLAIN_LINE = 1900       # longer lines take the exact path (its step/world checks are length-bound)
@@ -151,100 +153,6 @@ def _scan_bytes(buf, classes, ends, bad, last_colon, first_step, last_step, brac
 
 
 @njit(cache=True, nogil=True)
-def _is_bar(buf, a, b):
-    """clean._PROGRESS_BAR on buf[a:b]: `\\d%\\|`, `\\d(it/s|s/it)\\]` or `\\[\\d\\d:\\d\\d<`."""
-    for k in range(a, b):
-        ch = buf[k]
-        if is_digit(ch):
-            if k + 2 < b and buf[k + 1] == 37 and buf[k + 2] == 124:
-                return True
-            if k + 5 < b and buf[k + 5] == 93 and ((buf[k + 1] == 105 and buf[k + 2] == 116 and buf[k + 3] == 47
-                                                    and buf[k + 4] == 115)
-                                                   or (buf[k + 1] == 115 and buf[k + 2] == 47 and buf[k + 3] == 105
-                                                       and buf[k + 4] == 116)):
-                return True
-        elif ch == 91 and k + 6 < b and is_digit(buf[k + 1]) and is_digit(buf[k + 2]) and buf[k + 3] == 58 \
-                and is_digit(buf[k + 4]) and is_digit(buf[k + 5]) and buf[k + 6] == 60:
-            return True
-    return False
-
-
-@njit(cache=True, nogil=True)
-def _bar_then_text(buf, a, b):
-    """clean._BAR_THEN_TEXT on buf[a:b]: a bar's rate `[\\d?](it/s|s/it)]` with text glued after it."""
-    for k in range(a, b - 6):
-        ch = buf[k]
-        if (is_digit(ch) or ch == 63) and buf[k + 5] == 93 and buf[k + 6] != 32 \
-                and ((buf[k + 1] == 105 and buf[k + 2] == 116 and buf[k + 3] == 47 and buf[k + 4] == 115)
-                     or (buf[k + 1] == 115 and buf[k + 2] == 47 and buf[k + 3] == 105 and buf[k + 4] == 116)):
-            return True
-    return False
-
-
-@njit(cache=True, nogil=True)
-def _has_high(buf, a, b):
-    for k in range(a, b):
-        if buf[k] > 127:
-            return True
-    return False
-
-
-@njit(cache=True, nogil=True)
-def _has_rank(buf, a, b):
-    for k in range(a, b - 3):
-        if is_rank_at(buf, k):
-            return True
-    return False
-
-
-@njit(cache=True, nogil=True)
-def _is_stream_tag(buf, c, end):
-    """`[stdout]` or `[stderr]` at c."""
-    if end - c < 8 or buf[c + 1] != 115 or buf[c + 2] != 116 or buf[c + 3] != 100 or buf[c + 7] != 93:
-        return False   # not "[std...]"
-    return (buf[c + 4] == 111 and buf[c + 5] == 117 and buf[c + 6] == 116) or \
-        (buf[c + 4] == 101 and buf[c + 5] == 114 and buf[c + 6] == 114)
-
-
-@njit(cache=True, nogil=True)
-def _has_pid(buf, a, b):
-    for k in range(a, b - 3):
-        if buf[k] == 112 and buf[k + 1] == 105 and buf[k + 2] == 100 and buf[k + 3] == 61:   # "pid="
-            return True
-    return False
-
-
-@njit(cache=True, nogil=True)
-def _redraw(buf, start, end):
-    """clean._last_redraw for a line with CRs: (a, b) of the part the terminal finally shows
-    (the last non-blank part; if that is a progress bar, the last part that is not), or (-1, -1)
-    when no part is left."""
-    last_a = -1
-    last_b = -1
-    b = end
-    k = end - 1
-    while k >= start - 1:
-        if k < start or buf[k] == 13:
-            a = k + 1
-            blank = True
-            for q in range(a, b):
-                if buf[q] != 32:
-                    blank = False
-                    break
-            if not blank:
-                if last_a < 0:
-                    last_a = a
-                    last_b = b
-                    if not _is_bar(buf, a, b):
-                        return a, b
-                elif not _is_bar(buf, a, b):
-                    return a, b
-            b = k
-        k -= 1
-    return last_a, last_b
-
-
-@njit(cache=True, nogil=True)
 def classify(buf, rank_hint, labels, starts, messages, ranks, flags, cuts, ranks2):
     """Fill the per-line arrays for `buf` (whole lines); returns the number of lines. `labels`
     (flags.SRUN_LABEL | flags.COLLECTOR_STAMP): the log uses Slurm's `--label` prefix and its tasks
@@ -269,11 +177,11 @@ def classify(buf, rank_hint, labels, starts, messages, ranks, flags, cuts, ranks
         redrawn = False
         if last_cr[n] >= 0 and not bad[n]:
             # a tqdm line: cleaning keeps the part the terminal finally shows
-            a, b = _redraw(buf, line_start, end)
+            a, b = redraw(buf, line_start, end)
             # non-ASCII in the part shown is harmless where no character-counting rule looks:
             # no rank marker (a 120-character window) and no bracket prefix (120 characters)
-            if a >= 0 and not (high[n] and _has_high(buf, a, b) and (buf[a] == 91 or _has_rank(buf, a, b))) \
-                    and not _bar_then_text(buf, a, b):   # a message glued after a bar: the exact path cuts it
+            if a >= 0 and not (high[n] and has_high(buf, a, b) and (buf[a] == 91 or has_rank(buf, a, b))) \
+                    and not bar_then_text(buf, a, b):   # a message glued after a bar: the exact path cuts it
                 i = a
                 end = b
                 redrawn = True
@@ -331,9 +239,9 @@ def classify(buf, rank_hint, labels, starts, messages, ranks, flags, cuts, ranks
             elif first == 70 and c + 5 < end and buf[c + 1] == 105 and buf[c + 2] == 108 and buf[c + 3] == 101 \
                     and buf[c + 4] == 32 and buf[c + 5] == 34:
                 flag = NOT_PLAIN  # `File "...` at column 0: a traceback frame, maybe one without its header
-            elif first == 40 and _has_pid(buf, c, min(end, c + 80)):
+            elif first == 40 and has_pid(buf, c, min(end, c + 80)):
                 flag = NOT_PLAIN  # a Ray worker's `(Name pid=N, ip=...) ` prefix
-            elif first == 91 and _is_stream_tag(buf, c, end):
+            elif first == 91 and is_stream_tag(buf, c, end):
                 flag = NOT_PLAIN  # a wrapper's `[stdout]`/`[stderr]` tag: the exact path strips it
             elif first == 91:
                 is_cpp = c + 2 < end and (buf[c + 1] == 73 or buf[c + 1] == 87 or buf[c + 1] == 69
