@@ -139,3 +139,19 @@ def test_a_scripts_own_line_that_starts_with_its_rank_names_it():
     assert find_rank_marker("rank 1 WARNING metrics uploader: step 4 not uploaded, continuing") == 1
     assert find_rank_marker("rank 3 ERROR step 4: checkpoint writer failed, stopping") == 3
     assert find_rank_marker("rank 2 trainers joined") is None
+
+
+def test_a_chinese_codebases_labels_are_read():
+    # zh_nan_np4_r1_template (`[${role_name}|第${local_rank}卡] `: a field the tool cannot read, before
+    # torch's `[rank1]: `) and zh_nockpt_np4_r3_role (`--role 训练器`)
+    p = strip_prefixes("[default|第1卡] [rank1]: FloatingPointError: 损失为 NaN，停止训练", Dialect())
+    assert (p.rank, p.text) == (1, "FloatingPointError: 损失为 NaN，停止训练")
+    p = strip_prefixes("[训练器3]:[rank3]: FileNotFoundError: [Errno 2] No such file or directory", Dialect())
+    assert (p.rank, p.local_rank, p.text[:17]) == (3, 3, "FileNotFoundError")
+
+
+def test_a_chinese_codebases_run_that_finished_is_ok(tmp_path):
+    # zh_ok_np4_rnone_plain: each rank's last line says 训练结束 (training ended); exit 0, no summary
+    text = "".join(f"[rank {r}] 第 8 步 损失 1.2345 学习率 0.001\n" for r in range(2)) + \
+        "".join(f"[rank {r}] 训练结束\n" for r in range(2))
+    assert _report(tmp_path, text)["verdict"] == "ok"

@@ -51,6 +51,8 @@ VLLM_PROCESS = re.compile(r"^\((?:VllmWorker|Worker(?:_[A-Z]+\d+)*|EngineCore(?:
                            r"(?: rank=\d+| TP\d+)? pid=\d+\) ")
 STREAM_TAG = re.compile(r"^\[std(?:out|err)\] ?")
 TEE = re.compile(r"^\[([A-Za-z_][A-Za-z_-]*?)(\d{1,7})\]:")
+# a role named in any script (`--role 训练器` gives `[训练器3]:`); the fast kernel sends such lines to the exact path
+TEE_WIDE = re.compile(r"^\[([^\W\d](?:[^\W\d]|-)*?)(\d{1,7})\]:")
 TEE_HOST = re.compile(r"^\[([A-Za-z0-9][A-Za-z0-9_.-]*):(\d{1,7})\]:")
 EXCEPTHOOK = re.compile(r"^\[rank(\d{1,12})\]:(?: |(?=\[)|$)")
 TEMPLATE = re.compile(r"^\[([^\[\]\n]{1,120})\]:? ")

@@ -44,7 +44,7 @@ from logtriage.demux.clean import after_bar
 from logtriage.demux.dialect import Dialect
 from logtriage.demux.prefix_shapes import (
     BRACKET_LABEL, EXCEPTHOOK, GLOBAL_WORDS, RANK_LABEL, RAY, RICH_HEAD, RICH_PATH, STREAM_TAG, TEE, TEE_HOST,
-    TEMPLATE, TEMPLATE_LOCAL, TEMPLATE_RANK, TEMPLATE_TIGHT, VLLM_PROCESS, is_quoted, unquote)
+    TEE_WIDE, TEMPLATE, TEMPLATE_LOCAL, TEMPLATE_RANK, TEMPLATE_TIGHT, VLLM_PROCESS, is_quoted, unquote)
 
 __all__ = ["Dialect", "Prefixes", "line_prefix_end", "strip_prefixes"]
 
@@ -141,7 +141,7 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
         host, local, text = m.group(1), int(m.group(2)), text[m.end():]
         layers.append("tee")
     else:
-        m = TEE.match(text)
+        m = TEE.match(text) or (TEE_WIDE.match(text) if not text[1:2].isascii() else None)
         # `[rank0]:` is torch's excepthook prefix (a space or a C++ log header after it), or the
         # --tee header of `--role rank` (the message right after it: `[rank0]:NCCL version 2.29.7`)
         if m and (m.group(1) != "rank" or not EXCEPTHOOK.match(text)):
@@ -162,6 +162,11 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
             lm = TEMPLATE_LOCAL.search(inner)
             if lm:
                 local = int(lm.group(1))
+            layers.append("template")
+        elif "|" in inner and EXCEPTHOOK.match(text[m.end():]):
+            # a template whose rank field the tool cannot read (`[default|第1卡] `: "card 1"), before
+            # torch's own `[rank1]: ` that names the rank: the label goes, the excepthook's rank stays
+            text = text[m.end():]
             layers.append("template")
     m = RANK_LABEL.match(text) if text[:2] in ("[r", "[R") else None
     if m and rank is None:
