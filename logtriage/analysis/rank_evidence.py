@@ -57,13 +57,13 @@ def rank_the_timeouts_wait_for(first: Finding, live: list[Finding], facts: RankF
     if first.category in (Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR):
         return None
     # the ranks that waited: timed out in a collective, or lost the peer that gave up waiting first
-    timed_out = {f.rank for f in live if f.rank is not None
-                 and f.category in (Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR)}
-    missing = facts.known - timed_out
+    waited = {f.rank for f in live if f.rank is not None
+              and f.category in (Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR)}
+    missing = facts.known - waited
     awaited = {int(m.group(1)) for f in live if (m := _AWAITED_RANK.search(f.captures.get("keys", "")))}
     if len(awaited) == 1 and awaited <= facts.known:
         candidate = next(iter(awaited))
-    elif len(timed_out) >= 2 and len(missing) == 1:   # one waiting rank alone says little
+    elif len(waited) >= 2 and len(missing) == 1:   # one waiting rank alone says little
         candidate = next(iter(missing))
     else:
         return None

@@ -29,9 +29,8 @@ def one_reading_per_event(findings: list[Finding], scan: ScanResult) -> list[Fin
     """The findings with one reading kept per event, and the records that say the program goes on
     (and the tracebacks logged under them) marked as gone on from."""
     findings = _logged_going_on(findings, scan.blocks, scan.block_kinds)
-    return _logged_then_said(_message_wrapped_below(
-        _best_per_traceback(_before_the_handler(findings, scan.block_handling_lines,
-                                                               scan.block_handler_calls_failed), scan.block_kinds)))
+    findings = _before_the_handler(findings, scan.block_handling_lines, scan.block_handler_calls_failed)
+    return _logged_then_said(_message_wrapped_below(_best_per_traceback(findings, scan.block_kinds)))
 
 
 _GOING_ON = re.compile(r"\b(?:continu(?:e|es|ing)|retry(?:ing)?|will retry|skipp(?:ing|ed)|fall(?:ing)? ?back"
