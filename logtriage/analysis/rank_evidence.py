@@ -50,8 +50,8 @@ def rank_the_launcher_saw_fail(live: list[Finding]) -> int | None:
 def rank_the_timeouts_wait_for(first: Finding, live: list[Finding], facts: RankFacts) -> int | None:
     """An unattributed error (an exception in a thread, a c10d connect error, printed without the
     rank's prefix) while the other ranks waited: it belongs to the rank they waited for, when that
-    rank says nothing else of its own: the one rank that did not time out in their collective
-    (its thread died, so it stalled), or the one rank whose address they waited for in the store
+    rank says nothing else of its own: the one rank that neither timed out in their collective nor
+    lost the peer that gave up first (its thread died, so it stalled), or the one rank whose address they waited for in the store
     (`keys: /default_pg/0//cpu//0/2`: it never reached the store). The launcher then saw a
     waiting rank fail first."""
     if first.category in (Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR):

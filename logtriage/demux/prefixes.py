@@ -44,7 +44,7 @@ from logtriage.demux.clean import after_bar
 from logtriage.demux.dialect import Dialect
 from logtriage.demux.prefix_shapes import (
     BRACKET_LABEL, EXCEPTHOOK, GLOBAL_WORDS, RANK_LABEL, RAY, RICH_HEAD, RICH_PATH, STREAM_TAG, TEE, TEE_HOST,
-    TEE_WIDE, TEMPLATE, TEMPLATE_LOCAL, TEMPLATE_RANK, TEMPLATE_TIGHT, VLLM_PROCESS, is_quoted, unquote)
+    TEE_WIDE, TEMPLATE, TEMPLATE_LOCAL, TEMPLATE_RANK, VLLM_PROCESS, is_quoted, unquote)
 
 __all__ = ["Dialect", "Prefixes", "line_prefix_end", "strip_prefixes"]
 
@@ -153,7 +153,7 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
         text, laid_out = _rich_message(text, dialect.rich_gutter)
         if laid_out:
             layers.append("rich")
-    m = TEMPLATE.match(text) or TEMPLATE_TIGHT.match(text)
+    m = TEMPLATE.match(text)
     if m and not EXCEPTHOOK.match(text):
         inner = m.group(1)
         r = TEMPLATE_RANK.search(inner)
