@@ -17,7 +17,8 @@ from typing import Callable
 
 from logtriage.analysis.timestamps import parse_stamp
 from logtriage.catalog.matcher import Matcher
-from logtriage.demux.assigner import Assigner, Part
+from logtriage.demux.assigner import Assigner
+from logtriage.demux.blocks import Part
 from logtriage.demux.clean import clean, decode
 from logtriage.demux.prefixes import Dialect
 from logtriage.demux.streams import StreamKind

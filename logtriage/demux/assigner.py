@@ -8,9 +8,8 @@ a py-glog header > unattributed. Empty lines follow the block or line they sit i
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-
 from logtriage.demux import blocks as B
+from logtriage.demux.blocks import Block, Part, resumable
 from logtriage.demux import launcher as L
 from logtriage.demux.clean import after_bar, ungrouped
 from logtriage.demux.frames import FRAME, TracebackFacts, watch_traceback_line
@@ -25,31 +24,6 @@ _ERROR_RECORD = re.compile(r"\b(?:ERROR|CRITICAL|FATAL|Exception|exception)\b")
 _LAUNCHER_EXCEPTIONS = re.compile(r"(?:ChildFailedError|SignalException|RendezvousConnectionError|"
                                   r"RendezvousTimeoutError|RendezvousClosedError|ProcessRaisedException|"
                                   r"ProcessExitedException)\b")
-
-
-@dataclass
-class Block:
-    kind: B.BlockKind
-    slot: int
-    block_id: int
-    bare: bool                       # owner decided at the end (slot is a BLOCK slot)
-    state: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class Part:
-    slot: int
-    text: str                        # message with prefixes stripped
-    block_id: int                    # -1 outside blocks
-
-
-def _resumable(block: Block) -> bool:
-    """A prefixed stream's native abort, or its traceback before its exception line: another
-    stream's lines between its lines do not end it (after the exception line, a message's
-    continuation could not be told from the stream's next output)."""
-    if not block.state.get("explicit"):
-        return False
-    return block.kind is B.BlockKind.NATIVE or (block.kind is B.BlockKind.TRACEBACK and not block.state.get("exception"))
 
 
 class Assigner:
@@ -125,7 +99,7 @@ class Assigner:
                     self._close_block()
                     self.spawn_rank = int(child.group(1))
                 return part
-            if _resumable(block) and explicit_slot != block.slot:
+            if resumable(block) and explicit_slot != block.slot:
                 self.suspended[block.slot] = block
                 self.block = None
             else:

@@ -7,6 +7,7 @@ traceback) get their owner decided when they end (see assigner)."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from enum import Enum
 
 from logtriage.demux.launcher import MPI_NOTICE_SIGNAL
@@ -167,3 +168,29 @@ def _continues_child_failed(text: str, state: dict) -> bool:
     if text.startswith("Root Cause"):
         state["root"] = True
     return True
+
+
+# What the assigner keeps of an open block, and what it hands out for each line
+@dataclass
+class Block:
+    kind: BlockKind
+    slot: int
+    block_id: int
+    bare: bool                       # owner decided at the end (slot is a BLOCK slot)
+    state: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    slot: int
+    text: str                        # message with prefixes stripped
+    block_id: int                    # -1 outside blocks
+
+
+def resumable(block: Block) -> bool:
+    """A prefixed stream's native abort, or its traceback before its exception line: another
+    stream's lines between its lines do not end it (after the exception line, a message's
+    continuation could not be told from the stream's next output)."""
+    if not block.state.get("explicit"):
+        return False
+    return block.kind is BlockKind.NATIVE or (block.kind is BlockKind.TRACEBACK and not block.state.get("exception"))
