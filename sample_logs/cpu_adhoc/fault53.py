@@ -75,6 +75,7 @@ def main():
             if a.fault == "segv":
                 ctypes.string_at(0)
             if a.fault == "hang":
+                print(f"[rank {rank}] fetching batch {step} from the data service", flush=True)
                 time.sleep(a.hang_s)
             if a.fault == "sigkill":
                 time.sleep(5)
