@@ -27,10 +27,11 @@ Faults (--rank N at --step S, default 3):
              rank M (--rank2) raises KeyError loading its step-S batch (stderr, at once)
   none       no fault (control)
 
-Output options: --flush0 (rank 0 prints with flush=True), --linebuf 1,3 (those ranks call
+Output options: --term-handler (every rank installs a SIGTERM handler that calls sys.exit(143), as many training
+scripts do, so torchrun's SIGTERM flushes the survivors' buffered stdout instead of losing it), --flush0 (rank 0 prints with flush=True), --linebuf 1,3 (those ranks call
 sys.stdout.reconfigure(line_buffering=True)).
 """
-import argparse, ctypes, datetime, logging, os, subprocess, sys, time
+import argparse, ctypes, datetime, logging, os, signal, subprocess, sys, time
 import torch, torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
@@ -43,6 +44,7 @@ p.add_argument("--step", type=int, default=3)
 p.add_argument("--steps", type=int, default=6)
 p.add_argument("--pg-timeout", type=int, default=15)
 p.add_argument("--flush0", action="store_true")
+p.add_argument("--term-handler", action="store_true")
 p.add_argument("--linebuf", default="")
 a = p.parse_args()
 BATCH = 16
@@ -52,6 +54,8 @@ log = logging.getLogger("trainer")
 
 
 def main() -> int:
+    if a.term_handler:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=a.pg_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     if a.linebuf and str(rank) in a.linebuf.split(","):
