@@ -22,7 +22,8 @@ from logtriage.analysis.hangs import (
     world_incomplete,
 )
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid, shared_gpu
-from logtriage.analysis.recovered import GROUP_SUCCEEDED, caught_then_finished, restarted_then_finished
+from logtriage.analysis.recovered import (GROUP_SUCCEEDED, caught_then_finished, relaunched_then_finished,
+                                          restarted_then_finished)
 from logtriage.analysis.rank_facts import first_progress, merge_stats, rank_facts
 from logtriage.analysis.refine import (
     PEER_LEFT_RULES,
@@ -50,7 +51,8 @@ from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_nam
                                               oom_on_shared_gpu, spawn_report_yields, timer_reaped, unresolved_host,
                                               waited_for_a_crash, writer_behind_readers)
 from logtriage.analysis.silent_first import silent_death_first
-from logtriage.analysis.stalls import heartbeat_odd_one_out, heartbeats_before_stop, watchdog_spared_rank
+from logtriage.analysis.stalls import (heartbeat_odd_one_out, heartbeats_before_stop, time_limit_ended_hang,
+                                       watchdog_spared_rank)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
 from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, output_stopped, stalled_before_stop,
                                         still_retrying, stuck_after_warning, unknown_error_line)
@@ -82,7 +84,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     findings = agent_sigkills(unsent_sigterms(attribute_by_nccl_pid(resolve_findings(scan, keys, failures)), catalog,
                                               frozenset(scan.facts.teardown_pids)), catalog)
     stream_stats = merge_stats(scan, keys)
-    facts = rank_facts(stream_stats, failures, findings, scan.world_size)
+    facts = rank_facts(stream_stats, failures, findings, scan.world_size, frozenset(scan.facts.teardown_pids))
     root = choose_root(findings, facts)
     if root is not None:
         root = silent_death_first(spawn_report_yields(root, findings), findings, facts)
@@ -103,6 +105,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = stalled_before_stop(scan, root, findings, catalog)
         if root.rule.category is Category.EXTERNAL_STOP:
             root = heartbeats_before_stop(scan, keys, root, findings, catalog)
+        root = time_limit_ended_hang(scan, keys, root, findings)
     if root is not None:
         root = timer_reaped(waited_for_a_crash(root, findings), findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
@@ -193,6 +196,13 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
             notes.append(f"torchrun restarted the workers after the failure at line {recovered.finding.line} "
                          f"and the run then finished (line {finish.line}): the job succeeded; that failure is "
                          f"reported as recovered")
+        again = None if recovered else relaunched_then_finished(root, findings, failures, scan.launcher_lines)
+        if again is not None:
+            start, finish = again
+            recovered, root, verdict = root, None, Verdict.OK
+            notes.append(f"torchrun was started again (line {start}) after the failure at line "
+                         f"{recovered.finding.line}, and that run finished (line {finish.line}) with no error: the "
+                         f"job succeeded; that failure is reported as recovered")
         finish = None if recovered or diverged else caught_then_finished(
             root, findings, failures, {k.rank for k in keys if k.kind is StreamKind.RANK and k.rank >= 0})
         if finish is not None:

@@ -29,7 +29,8 @@ SHAPES_RULE = "context.process_shapes"   # accelerate's per-process shapes under
 
 
 def rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure], findings: list[Finding],
-                world_size: int | None) -> RankFacts:
+                world_size: int | None, stopped_pids: frozenset[int] = frozenset()) -> RankFacts:
+    """`stopped_pids`: the worker processes an agent said it was sending a signal to (to stop them)."""
     speaking = {k.rank for k, s in stats.items() if k.kind is StreamKind.RANK and s.lines}
     known = set(speaking)
     known |= {f.rank for f in failures if f.rank is not None}
@@ -44,6 +45,11 @@ def rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure], 
         failed = {f.rank for f in failures}
         errored = {f.rank for f in findings if f.is_error and not f.is_teardown}
         completed = known - failed - errored
+        # an agent whose summary is not in the log (another node's) was still stopping that many
+        # workers of its own: the ranks it never reported had not finished
+        unreported = stopped_pids - {f.pid for f in failures if f.pid is not None}
+        if completed and len(unreported) >= len(completed):
+            completed = set()
     last_step: dict[int, int] = {}
     for key, s in stats.items():
         if key.kind is StreamKind.RANK and s.last_step is not None:

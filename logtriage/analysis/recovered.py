@@ -81,3 +81,34 @@ def _agent_saw_fail(text: str) -> bool:
     """The agent's report of a failed worker (`failed (exitcode: 1) local_rank: 1 (pid: ...)`), or
     of its restart; without a restart the first is followed by ChildFailedError."""
     return bool(L.FAILED.search(text) or L.RESTART.search(text))
+
+
+def relaunched_then_finished(root: RootCause, findings: list[Finding], failures: list[ChildFailure],
+                             launcher_lines: list[tuple[int, int, str]]) -> tuple[int, Finding] | None:
+    """A job wrapper that ran torchrun again after it failed (`for attempt in 1 2 3`): a launcher of
+    another process id starts after the failure and its summary, and the run it started finished
+    with no error after its start. The job succeeded; the failure is the earlier launch's. Returns
+    the new launch's first line and the line saying the run finished, else None."""
+    f = root.finding
+    if f is None:
+        return None
+    ended = max([(c.source, c.line) for c in failures if c.source == f.source] + [(f.source, f.line)])
+    seen: set[int] = set()
+    start = None
+    for source, line, text in launcher_lines:
+        m = L.PY_GLOG.match(text)
+        if source != f.source or m is None:
+            continue
+        pid = int(m.group(4))
+        if (source, line) > ended and seen and pid not in seen:
+            start = line
+            break
+        seen.add(pid)
+    if start is None:
+        return None
+    later = [g for g in findings if g.source == f.source and g.line > start]
+    if any(g.is_error and not g.is_teardown for g in later) or any(
+            c.source == f.source and c.line > start for c in failures):
+        return None
+    finish = next((g for g in later if g.rule.id == FINISHED_RULE and not _NOT_AN_END.search(g.text)), None)
+    return (start, finish) if finish is not None else None

@@ -55,6 +55,58 @@ def heartbeats_before_stop(scan: ScanResult, keys: list[StreamKey], root: RootCa
                    confidence=min(root.confidence, 0.45), reasons=reasons)
 
 
+def time_limit_ended_hang(scan: ScanResult, keys: list[StreamKey], root: RootCause,
+                          findings: list[Finding]) -> RootCause:
+    """A job stopped from outside where the log also says the stop was a time limit's (`timeout`'s
+    exit status 124, its `--verbose` notice, a wrapper's words for it): the run was still going when
+    the limit ran out, so it hung, and the limit only ended it. Where every rank's last lines are its
+    progress lines but one rank's, which said what it went on to do, that rank is where the others wait."""
+    limit = next((f for f in findings if f.rule.stuck), None)
+    stop = root.finding
+    if root.rule.category is not Category.EXTERNAL_STOP or limit is None:
+        return root
+    rank = None
+    if stop is not None and stop.source < len(scan.sources):
+        # (under `--tee` the workers' last lines can come after the launcher's own stop lines)
+        end = max(stop.line, limit.line) if limit.source == stop.source else stop.line
+        rank = _went_on_alone(scan, keys, stop.source, end)
+    reasons = (f"the stop was a time limit's ({limit.text.strip()[:120]}): the run was still going when it ran "
+               "out, stuck, and the limit only ended it",)
+    if rank is not None:
+        reasons += (f"every rank's last line before the stop is its progress line but rank {rank}'s, which says "
+                    "what it went on to do: the others waited for it there",)
+    return RootCause(limit.rule, limit, rank, (rank,) if rank is not None else (), min(root.confidence, 0.5),
+                     reasons)
+
+
+def _went_on_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> int | None:
+    """The one rank whose last line before `end` is not a progress line, where every other rank's
+    last line is one, all at the step that rank last reported too."""
+    index = scan.indexes[source]
+    numbers = list(range(max(1, end - WINDOW), end))
+    texts = read_lines(scan.sources[source], index, numbers)
+    last: dict[int, int | None] = {}       # rank -> the step of its last line (None: not a progress line)
+    steps: dict[int, int] = {}
+    for number in numbers:
+        if number - 1 >= len(index.slots):
+            break
+        key = keys[scan.slots.final(index.slots[number - 1])]
+        own = key.rank if key.kind is StreamKind.RANK else None
+        for piece in split_glued(message_of(texts.get(number, ""))):
+            marked = find_rank_marker(piece)
+            rank = own if marked is None else marked
+            if rank is None or not piece.strip():
+                continue
+            step = step_number(piece)
+            last[rank] = step
+            if step is not None:
+                steps[rank] = step
+    went_on = [r for r, step in last.items() if step is None]
+    if len(last) < 2 or len(went_on) != 1 or len(set(steps.values())) != 1 or set(steps) != set(last):
+        return None
+    return went_on[0]
+
+
 def heartbeat_odd_one_out(scan: ScanResult, keys: list[StreamKey], root: RootCause) -> RootCause:
     """A hang with no rank (the output just stops) whose ranks' last lines are heartbeats at one
     step: the rank whose heartbeat says something else than all the others' is the one they wait for."""

@@ -68,6 +68,18 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
         return RootCause(first.rule, first, source, (source,), 0.5, (
             f"the waiting rank(s) timed out in broadcast(src={source}): rank {source}, the rank that sends, "
             "never joined it",))
+    if len(missing) == 1 and missing[0] in facts.completed and peer_closed - ahead:
+        # The one rank missing from the collective exited 0 while the others were in it: its peers
+        # lost their connection to it, the rest waited out the timeout. It left early (a shorter data
+        # shard, a stop condition of its own): the closed connections, not the timeouts, say what happened.
+        only = missing[0]
+        closed = earliest([f for f in live if f.rank in peer_closed - ahead and f.role is Role.CASCADE_CANDIDATE
+                           and f.category is Category.COLLECTIVE_ERROR])
+        return RootCause(closed.rule, closed, only, (only,), 0.4, (
+            f"rank {only} exited cleanly while the others were still in a collective with it: ranks "
+            f"{ranges(sorted(peer_closed - ahead), limit=8)} lost their connection to it and the rest timed out "
+            "waiting; it stopped early (a stop condition or a "
+            "data shard of its own)",))
     if len(missing) == 1:
         only = missing[0]
         went_on = (f" (it had gone on to step {facts.last_step[only]} and failed in a later collective)"

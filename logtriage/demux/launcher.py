@@ -34,6 +34,8 @@ _ELASTIC_LOGGER = re.compile(r"^(?:\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\] )?to
 _DEEPSPEED_LAUNCHER = re.compile(r"^(?:\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\] )?\[\w+\] \[(?:launch|runner|launcher_helper|multinode_runner)\.py:")
 _LAUNCH_FUTURE_WARNING = re.compile(r"distributed/launch\.py:\d+: FutureWarning:")
 
+# torchrun's first lines (run.py), printed by every launch of more than one process per node
+LAUNCH_BANNER = re.compile(r"Setting OMP_NUM_THREADS environment variable for each process")
 FAILED = re.compile(r"failed \(exitcode: (-?\d{1,12})\) local_rank: (\d{1,12}) \(pid: (\d{1,12})\)")
 SENDING = re.compile(r"Sending process (\d{1,12}) closing signal (SIG\w+)")
 TERMINATING = re.compile(r"Terminating process (\d{1,12}) via signal (SIG\w+)")
@@ -80,6 +82,7 @@ class LauncherFacts:
     _console_summarised: bool = False
     _pending_cfe_rank: int | None = None
     _failed_agents: set[int] = field(default_factory=set)   # agents' pids seen in `failed (exitcode ...)` lines
+    _last_failed_at: tuple[str, str] = ("", "")             # the latest `failed` line's (MMDD, time) stamp
 
     @property
     def segment(self) -> int:
@@ -87,12 +90,21 @@ class LauncherFacts:
 
     def observe(self, text: str) -> None:
         """Update the facts from one launcher line (message text, py-glog header included)."""
+        if self._console_summarised and self._failed_agents and LAUNCH_BANNER.search(text):
+            agent = PY_GLOG.match(text)
+            if agent and int(agent.group(4)) not in self._failed_agents and (agent.group(2), agent.group(3)) > \
+                    self._last_failed_at:
+                # a new torchrun's start after the last one failed and summarised: a job wrapper ran it again
+                # (a retry loop), and its workers' output is a later attempt's, as after `--max-restarts` (a
+                # second node's console pasted after the first one's started before that failure)
+                self.restart_marked = True
         m = FAILED.search(text)
         if m:
             self.pid_local_rank[int(m.group(3))] = int(m.group(2))
             self.failed_lines += 1
             agent = PY_GLOG.match(text)
             if agent:   # one agent failing twice restarted its workers in between (its INFO lines may be off)
+                self._last_failed_at = max(self._last_failed_at, (agent.group(2), agent.group(3)))
                 pid = int(agent.group(4))
                 self.restart_marked = self.restart_marked or pid in self._failed_agents
                 self._failed_agents.add(pid)

@@ -22,8 +22,10 @@ _RANK_MARKERS = (
     # a logger's `(rank 2) message` and Megatron-style `> rank 2 ...` at the start of the message
     re.compile(r"^ *\( *rank *(\d{1,9}) *\)", re.IGNORECASE | re.ASCII),
     re.compile(r"^ *> *rank +(\d{1,9})\b", re.IGNORECASE | re.ASCII),
-    # a logging format's `[%(levelname)s] rank 4: message`, behind the level's bracket
-    re.compile(r"\]\s+rank ?(\d{1,9}): ", re.IGNORECASE | re.ASCII),
+    # a logging format's `[%(levelname)s] rank 4: message`, behind the level's bracket, or a script's own
+    # `ERROR rank 5: message` / `INFO rank 2: step 3` behind its bare level word
+    re.compile(r"(?:\]|\b(?:ERROR|WARNING|WARN|INFO|DEBUG|CRITICAL|FATAL))\s+rank ?(\d{1,9}): ",
+               re.IGNORECASE | re.ASCII),
 )
 
 

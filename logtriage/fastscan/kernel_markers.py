@@ -47,7 +47,7 @@ def marker(buf, c, end, found):
     1. `[ *(global[_ ])?rank *[:=#]? *(\\d{1,9}) *(/ *\\d+ *)?]`
     2. `(^|[ ,(|])(global_)?rank *[=:] *(\\d{1,9})\\b`
     3. `^ *rank *(\\d{1,9})( *[:|\\]]| +(step|epoch|...|finished|training|...|started)\\b)` (line_marks.py's list)
-    (and the last ones: `(rank N)`, `> rank N` read here; `] rank N: ` left to the exact path)
+    (and the last ones: `(rank N)`, `> rank N` read here; `] rank N: `, `ERROR rank N: ` left to the exact path)
     Returns the rank, -1 for none, or -2 where only the exact path can tell."""
     head_end = min(end, c + MARKER_HEAD)
     count = 0   # `found` (scratch space) gets where "rank" occurs: at most 8, beyond that the exact path
@@ -88,13 +88,14 @@ def marker(buf, c, end, found):
 
 @njit(cache=True, nogil=True)
 def _after_a_bracket(buf, c, p, head_end):
-    """Whether the "rank" at p follows `]` and blanks and is followed by ` ?digits: `."""
+    """Whether the "rank" at p follows `]` (or a letter: a level word such as `ERROR`, which the exact path
+    checks) and blanks and is followed by ` ?digits: `."""
     k = p - 1
     if k < c or not (buf[k] == 32 or buf[k] == 9):
         return False
     while k >= c and (buf[k] == 32 or buf[k] == 9):
         k -= 1
-    if k < c or buf[k] != 93:
+    if k < c or not (buf[k] == 93 or 97 <= (buf[k] | 32) <= 122):
         return False
     k = p + 4
     if k < head_end and buf[k] == 32:
