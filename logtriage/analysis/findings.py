@@ -127,6 +127,13 @@ class Finding:
     def exception_type(self) -> str | None:
         """The exception type as printed (`torch.OutOfMemoryError`), from the rule's capture or
         from the line itself when it is an exception line."""
+        if self.block_exception.rstrip().endswith(" raised:") and self.block_exception != self.text:
+            # a wrapper whose message is the exception it caught, on the lines below (dynamo's
+            # `BackendCompilerFailed: backend='inductor' raised:` then `RuntimeError: ...`): the
+            # exception raised is the wrapper; the line below says why
+            wrapper = exception_type_of(self.block_exception)
+            if wrapper:
+                return wrapper
         captured = self.captures.get("exception_type")
         return (unglued(captured) if captured else None) or exception_type_of(self.text) \
             or exception_type_of(self.block_exception)
@@ -193,8 +200,17 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
                                 scan.block_checkpoint_frames.get(hit.block_id, ""), frame,
                                 scan.block_broadcast_sources.get(hit.block_id), frame_file,
                                 in_thread=hit.block_id in scan.block_threads))
-    findings = one_reading_per_event(mark_went_on(findings), scan)
+    findings = one_reading_per_event(mark_went_on(_without_source_echoes(findings)), scan)
     return attribute_by_signal(findings, failures)
+
+
+def _without_source_echoes(findings: list[Finding]) -> list[Finding]:
+    """A traceback's source line (`    raise FloatingPointError(f"non-finite loss {loss}")`) that a rule
+    reads as well as the exception line it raised: the exception line is the event, the code only
+    quotes its words."""
+    raised = {(f.block_id, f.rule.id) for f in findings if f.block_id >= 0 and exception_type_of(f.text)}
+    return [f for f in findings if not (f.block_id >= 0 and (f.block_id, f.rule.id) in raised
+                                        and f.text[:1] in " \t" and not exception_type_of(f.text))]
 
 
 def _innermost_frame(scan: ScanResult, hit: Hit) -> tuple[str, str]:

@@ -152,6 +152,7 @@ def _bracket_label(lines: list[str], srun: bool) -> str | None:
     MPI's own label), with at least two numbers: a line-prefix template's rank label; else None."""
     numbers: dict[str, set[int]] = {}
     counts: Counter = Counter()
+    confirmed: Counter = Counter()    # lines where torch's own `[rankN]: ` after the label names the same N
     for line in lines:
         m = (SRUN.match(line) if srun else None) or MPI.match(line)
         rest = line[m.end():] if m else line
@@ -159,10 +160,14 @@ def _bracket_label(lines: list[str], srun: bool) -> str | None:
         if label:
             counts[label.group(1)] += 1
             numbers.setdefault(label.group(1), set()).add(int(label.group(2)))
+            hook = EXCEPTHOOK.match(rest[label.end():])
+            if hook and hook.group(1) == label.group(2):
+                confirmed[label.group(1)] += 1
     if not counts:
         return None
     word, count = counts.most_common(1)[0]
-    if count * 3 < len(lines) or len(numbers[word]) < 2 or word.lower() in NOT_TAGS | COUNTER_WORDS:
+    if (count * 3 < len(lines) and confirmed[word] < 2) or len(numbers[word]) < 2 \
+            or word.lower() in NOT_TAGS | COUNTER_WORDS:
         return None
     return word
 
