@@ -10,7 +10,8 @@ from every rank per step) where rank N (--rank) breaks one of DistributedDataPar
   count       rank N's model has an extra bias-free Linear(4,4) (parameter count differs)
   nograd      rank N freezes the aux head (requires_grad=False) before wrapping
   twice       rank N runs its trunk twice through torch.utils.checkpoint(use_reentrant=True) with
-              find_unused_parameters=True (a parameter marked ready twice)
+              find_unused_parameters=True (the input does not require grad, so the trunk gets no gradient at all)
+  twice_grad  the same with an input that requires grad (a parameter marked ready twice)
   static      static_graph=True and rank N skips the aux head from step 3 on
   nosync      rank N wraps steps 2 and 4 in model.no_sync() (gradient accumulation), the others do not
   bnbuf       a BatchNorm1d after the trunk, broadcast_buffers=True; rank N's BatchNorm has track_running_stats=False
@@ -52,6 +53,8 @@ class Net(nn.Module):
 
     def forward(self, x):
         if self.ckpt_twice:
+            if self.ckpt_twice == "grad":
+                x = x.detach().requires_grad_(True)
             h = checkpoint(self.trunk, x, use_reentrant=True)
             h = h + checkpoint(self.trunk, x, use_reentrant=True)
         else:
@@ -83,7 +86,7 @@ def main():
         for q in model.aux.parameters():
             q.requires_grad_(False)
     kw = {}
-    if f in ("unused_fup", "twice") or a.fup:
+    if f in ("unused_fup", "twice", "twice_grad") or a.fup:
         kw["find_unused_parameters"] = True
     if f == "static":
         kw["static_graph"] = True
@@ -109,6 +112,8 @@ def main():
             model.return_pair = True
         if f == "twice" and bad:
             model.ckpt_twice = True
+        if f == "twice_grad" and bad:
+            model.ckpt_twice = "grad"
         if f == "static" and bad and step >= 3:
             model.skip_aux = True
         if f == "module" and bad and step >= 2:
