@@ -157,6 +157,10 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
             "the KeyError is raised in DCP's `_get_optim_state_dict`, which maps the optimizer's parameters to the "
             "model's: the optimizer holds parameters the (sharded) model does not, as when it was built before "
             "FSDP or fully_shard replaced them")
+    elif kind == "FileNotFoundError" and root.rule.id in GENERIC_RULES and f.last_file.endswith("/tempfile.py"):
+        rule, why = catalog.get("env.tmpdir_missing"), (
+            f"the FileNotFoundError is raised in tempfile's `{f.last_frame}`, which creates a temporary file in a "
+            "folder that does not exist: TMPDIR (or the dir= passed, often built from it) names a missing folder")
     elif kind == "BlockingIOError" and root.rule.id in GENERIC_RULES and _FORK_FRAME.search(f.last_file):
         rule, why = catalog.get("host.thread_limit"), (
             f"the BlockingIOError (EAGAIN) is raised in `{f.last_frame}`, where the process forks a child: the "

@@ -57,7 +57,7 @@ TEE_HOST = re.compile(r"^\[([A-Za-z0-9][A-Za-z0-9_.-]*):(\d{1,7})\]:")
 EXCEPTHOOK = re.compile(r"^\[rank(\d{1,12})\]:(?: |(?=\[)|$)")
 # (its label may have no space after it: `TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[${role_name}|r${rank}]'` puts
 # the message right after it, `[default|r0][rank0]: Traceback ...`)
-TEMPLATE = re.compile(r"^\[([^\[\]\n]{1,120})\](?::? |(?=\S))")
+TEMPLATE = re.compile(r"^\[([^\[\]\n]{1,120})\](?::? |:?(?=\S))")
 # (a field of its own: `rank=1`, `rank 1`, `rank1`, or `r1` as in `[${role_name}|r${rank}] `)
 TEMPLATE_RANK = re.compile(r"(?:^|[|,;\s])(?:global_)?(?:rank|r)[=:\s]?(\d{1,12})(?:$|[|,;\s/])", re.IGNORECASE)
 # a trainer's own rank label in front of the lines it writes (SimpleTuner: `[RANK 1] 2026-05-19 ...`; a
