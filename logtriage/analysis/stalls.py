@@ -82,25 +82,15 @@ def time_limit_ended_hang(scan: ScanResult, keys: list[StreamKey], root: RootCau
 def _went_on_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> int | None:
     """The one rank whose last line before `end` is not a progress line, where every other rank's
     last line is one, all at the step that rank last reported too."""
-    index = scan.indexes[source]
-    numbers = list(range(max(1, end - WINDOW), end))
-    texts = read_lines(scan.sources[source], index, numbers)
     last: dict[int, int | None] = {}       # rank -> the step of its last line (None: not a progress line)
     steps: dict[int, int] = {}
-    for number in numbers:
-        if number - 1 >= len(index.slots):
-            break
-        key = keys[scan.slots.final(index.slots[number - 1])]
-        own = key.rank if key.kind is StreamKind.RANK else None
-        for piece in split_glued(message_of(texts.get(number, ""))):
-            marked = find_rank_marker(piece)
-            rank = own if marked is None else marked
-            if rank is None or not piece.strip():
-                continue
-            step = step_number(piece)
-            last[rank] = step
-            if step is not None:
-                steps[rank] = step
+    for rank, piece in _ranked_pieces(scan, keys, source, end):
+        if not piece.strip():
+            continue
+        step = step_number(piece)
+        last[rank] = step
+        if step is not None:
+            steps[rank] = step
     went_on = [r for r, step in last.items() if step is None]
     if len(last) < 2 or len(went_on) != 1 or len(set(steps.values())) != 1 or set(steps) != set(last):
         return None
@@ -154,22 +144,30 @@ def _dump_of_the_odd_rank(root: RootCause, facts: RankFacts) -> RootCause:
 
 def _progress_before(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> dict[int, list]:
     """Each rank's progress messages (step, masked text) in the WINDOW lines before line `end`."""
+    beats: dict[int, list] = {}
+    for rank, piece in _ranked_pieces(scan, keys, source, end):
+        step = step_number(piece)
+        if step is not None:
+            beats.setdefault(rank, []).append((step, mask_numbers(piece).strip()))
+    return beats
+
+
+def _ranked_pieces(scan: ScanResult, keys: list[StreamKey], source: int, end: int):
+    """(rank, message) for each rank's message in the WINDOW lines before line `end`: a line's own
+    stream's rank, or the rank its text names; two ranks' messages glued on one line are two."""
     index = scan.indexes[source]
     numbers = list(range(max(1, end - WINDOW), end))
     texts = read_lines(scan.sources[source], index, numbers)
-    beats: dict[int, list] = {}
     for number in numbers:
         if number - 1 >= len(index.slots):
             break
         key = keys[scan.slots.final(index.slots[number - 1])]
         own = key.rank if key.kind is StreamKind.RANK else None
-        for piece in split_glued(message_of(texts.get(number, ""))):   # two ranks' heartbeats on one line
-            step = step_number(piece)
+        for piece in split_glued(message_of(texts.get(number, ""))):
             marked = find_rank_marker(piece)
             rank = own if marked is None else marked
-            if step is not None and rank is not None:
-                beats.setdefault(rank, []).append((step, mask_numbers(piece).strip()))
-    return beats
+            if rank is not None:
+                yield rank, piece
 
 
 def _repeats_at_one_step(texts: list[tuple[int, str]]) -> bool:
