@@ -100,10 +100,11 @@ def relaunched_then_finished(root: RootCause, findings: list[Finding], failures:
         if source != f.source or m is None:
             continue
         pid = int(m.group(4))
-        if (source, line) > ended and seen and pid not in seen:
-            start = line
+        if (source, line) <= ended:
+            seen.add(pid)
+        elif seen and pid not in seen and L.LAUNCH_BANNER.search(text):
+            start = line     # another torchrun's first lines
             break
-        seen.add(pid)
     if start is None:
         return None
     later = [g for g in findings if g.source == f.source and g.line > start]

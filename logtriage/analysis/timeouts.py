@@ -78,8 +78,7 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
         return RootCause(closed.rule, closed, only, (only,), 0.4, (
             f"rank {only} exited cleanly while the others were still in a collective with it: ranks "
             f"{ranges(sorted(peer_closed - ahead), limit=8)} lost their connection to it and the rest timed out "
-            "waiting; it stopped early (a stop condition or a "
-            "data shard of its own)",))
+            "waiting; it stopped early (a stop condition or a data shard of its own)",))
     if len(missing) == 1:
         only = missing[0]
         went_on = (f" (it had gone on to step {facts.last_step[only]} and failed in a later collective)"
