@@ -196,13 +196,13 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
             notes.append(f"torchrun restarted the workers after the failure at line {recovered.finding.line} "
                          f"and the run then finished (line {finish.line}): the job succeeded; that failure is "
                          f"reported as recovered")
-        again = None if recovered else relaunched_then_finished(root, findings, failures, scan.launcher_lines)
+        again = None if recovered else relaunched_then_finished(root, findings, failures, stream_stats)
         if again is not None:
             start, finish = again
             recovered, root, verdict = root, None, Verdict.OK
-            notes.append(f"torchrun was started again (line {start}) after the failure at line "
-                         f"{recovered.finding.line}, and that run finished (line {finish.line}) with no error: the "
-                         f"job succeeded; that failure is reported as recovered")
+            notes.append(f"torchrun was started again after the failure at line {recovered.finding.line} (its "
+                         f"workers' lines from line {start}), and that run finished (line {finish.line}) with no "
+                         f"error: the job succeeded; that failure is reported as recovered")
         finish = None if recovered or diverged else caught_then_finished(
             root, findings, failures, {k.rank for k in keys if k.kind is StreamKind.RANK and k.rank >= 0})
         if finish is not None:

@@ -12,7 +12,8 @@ from logtriage.analysis.roots import RootCause
 from logtriage.analysis.stopped import FINISHED_RULE
 from logtriage.catalog.rule import Category
 from logtriage.demux import launcher as L
-from logtriage.demux.streams import StreamKind
+from logtriage.demux.streams import StreamKey, StreamKind
+from logtriage.scan_result import SlotStats
 
 # lines the run-finished rule reads that a failing process prints too (its process group's
 # destructor "has NOT been destroyed", "destroy_process_group() was not called", NCCL's
@@ -84,32 +85,24 @@ def _agent_saw_fail(text: str) -> bool:
 
 
 def relaunched_then_finished(root: RootCause, findings: list[Finding], failures: list[ChildFailure],
-                             launcher_lines: list[tuple[int, int, str]]) -> tuple[int, Finding] | None:
-    """A job wrapper that ran torchrun again after it failed (`for attempt in 1 2 3`): a launcher of
-    another process id starts after the failure and its summary, and the run it started finished
-    with no error after its start. The job succeeded; the failure is the earlier launch's. Returns
-    the new launch's first line and the line saying the run finished, else None."""
+                             stats: dict[StreamKey, SlotStats]) -> tuple[int, Finding] | None:
+    """A job wrapper that ran torchrun again after it failed (`for attempt in 1 2 3`): the launcher
+    facts make the new torchrun's workers a later attempt (LauncherFacts.observe); when that attempt's
+    output starts after the failure and its summary, and the run finished with no error after that,
+    the job succeeded and the failure is the earlier launch's. Returns the line where the later
+    attempt's output starts and the line saying the run finished, else None."""
     f = root.finding
     if f is None:
         return None
+    later = [s.first_line for k, s in stats.items() if k.kind is StreamKind.RANK and k.attempt > f.stream.attempt
+             and s.first_line is not None and s.first_line[0] == f.source]
     ended = max([(c.source, c.line) for c in failures if c.source == f.source] + [(f.source, f.line)])
-    seen: set[int] = set()
-    start = None
-    for source, line, text in launcher_lines:
-        m = L.PY_GLOG.match(text)
-        if source != f.source or m is None:
-            continue
-        pid = int(m.group(4))
-        if (source, line) <= ended:
-            seen.add(pid)
-        elif seen and pid not in seen and L.LAUNCH_BANNER.search(text):
-            start = line     # another torchrun's first lines
-            break
-    if start is None:
+    if not later or min(later) <= ended:
         return None
-    later = [g for g in findings if g.source == f.source and g.line > start]
-    if any(g.is_error and not g.is_teardown for g in later) or any(
+    start = min(later)[1]
+    after = [g for g in findings if g.source == f.source and g.line > start]
+    if any(g.is_error and not g.is_teardown for g in after) or any(
             c.source == f.source and c.line > start for c in failures):
         return None
-    finish = next((g for g in later if g.rule.id == FINISHED_RULE and not _NOT_AN_END.search(g.text)), None)
+    finish = next((g for g in after if g.rule.id == FINISHED_RULE and not _NOT_AN_END.search(g.text)), None)
     return (start, finish) if finish is not None else None
