@@ -28,7 +28,7 @@ Faults (--rank N, --rank2 M):
             every rank's heartbeat thread logs 'heartbeat step=S' every 2 s
   none      no fault (control)
 """
-import argparse, datetime, io, logging, os, re, signal, sys, threading, time
+import argparse, atexit, datetime, io, logging, os, re, signal, sys, threading, time
 import torch, torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
@@ -79,7 +79,13 @@ if buffered:
     stream = io.TextIOWrapper(io.BufferedWriter(io.FileIO(os.dup(2), "w"), buffer_size=1 << 16), line_buffering=False)
 else:
     stream = sys.stderr
-h = logging.StreamHandler(stream)
+class Handler(logging.StreamHandler):
+    def flush(self):  # the buffered stream is flushed only on SIGTERM or at exit (StreamHandler flushes every record)
+        if not buffered:
+            super().flush()
+
+
+h = Handler(stream)
 h.setFormatter(Fmt())
 log = logging.getLogger("train")
 log.addHandler(h)
@@ -96,6 +102,7 @@ def on_term(signum, frame):
 
 if buffered:
     signal.signal(signal.SIGTERM, on_term)
+    atexit.register(stream.flush)
 
 STEP = [0]
 
