@@ -22,12 +22,12 @@ Faults:
                  time)
   nonscalar      backward on the per-sample loss (reduction='none'): RuntimeError (grad can be implicitly created only
                  for scalar outputs)
-  ckpt_mutate    torch.utils.checkpoint (use_reentrant=False) on the trunk whose forward depends on a module flag the
-                 rank flips between forward and backward: the recompute differs (CheckpointError)
+  ckpt_mutate    torch.utils.checkpoint (use_reentrant=False) on the trunk whose forward depends on a module flag
+                 ('half batch') the rank flips between forward and backward: the recompute differs (CheckpointError)
   nograd         the rank computes its loss under torch.no_grad() (an eval path left on): RuntimeError (element 0 of
                  tensors does not require grad and does not have a grad_fn)
-  nan_bw         a masked sqrt (torch.where(x > 0, x.sqrt(), 0)) over a feature that is negative: the forward is
-                 finite, the backward is NaN; anomaly mode on that rank raises RuntimeError (Function 'SqrtBackward0'
+  nan_bw         a masked sqrt of the first layer's output (torch.where(z > 0, z.sqrt(), 0)): the forward is
+                 finite, the backward is NaN where z < 0; anomaly mode on that rank raises RuntimeError (Function 'SqrtBackward0'
                  returned nan values in its 0th output)
   slow_bw        a tensor hook on the rank sleeps 40 s in backward (a stalled gradient writer); the others time out in
                  DDP's all-reduce (15 s)
@@ -77,17 +77,18 @@ class Net(nn.Module):
         self.flip = False
 
     def trunk(self, x):
-        h = torch.tanh(self.fc1(x))
         if self.flip:
-            h = h[:, :8].repeat(1, 2)  # a different recompute
+            x = x[: x.shape[0] // 2]  # a different recompute (the flag says 'half batch')
+        h = torch.tanh(self.fc1(x))
         return h
 
     def forward(self, x):
         m = self.mode
-        if m == "nan_bw":
-            x = torch.where(x > 0, x.sqrt(), torch.zeros_like(x))
         if m == "ckpt_mutate":
             h = cp.checkpoint(self.trunk, x, use_reentrant=False)
+        elif m == "nan_bw":
+            z = self.fc1(x)
+            h = torch.tanh(torch.where(z > 0, z.sqrt(), torch.zeros_like(z)))  # masked sqrt: finite forward
         else:
             h = torch.tanh(self.fc1(x))
         if m in ("inplace", "inplace_anom"):
@@ -132,8 +133,6 @@ def main():
         here = bad and step == BAD_STEP
         net.mode = f if here else ""
         if here and f == "nan_bw":
-            x[:, 2] = -x[:, 2].abs() - 0.1  # a feature that should have been clipped to >= 0
-            x[0, 2] = 0.0
             torch.autograd.set_detect_anomaly(True)
         if here and f == "inplace_anom":
             torch.autograd.set_detect_anomaly(True)
