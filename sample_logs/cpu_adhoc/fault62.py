@@ -9,7 +9,10 @@ Faults (--rank N: the rank at fault):
                 (ValueError: some parameters appear in more than one parameter group)
   opt_load      rank N resumes its optimizer state from another run's file (a model without the bias-free layer
                 split: 3 groups instead of 2): ValueError: loaded state dict contains a parameter group that doesn't
-                match the size of optimizer's group
+                match the size of optimizer's group (as written; this build first says `loaded state dict has a
+                different number of parameter groups`)
+  opt_size      as opt_load, the other run's file with 2 groups of 3 and 1 parameters (this run's: 2 and 2):
+                ValueError: loaded state dict contains a parameter group that doesn't match the size of optimizer's group
   clip_inf      rank N's gradient overflows after the all-reduce (a local gradient post-processing step scales by
                 1e39 in float32: inf): clip_grad_norm_(error_if_nonfinite=True) raises on rank N only
   clip_all      rank N's step-3 batch holds an inf feature: its loss is inf, DDP's all-reduce spreads the inf to every
@@ -71,12 +74,16 @@ def main() -> None:
                                       parameters_as_bucket_view=(f == "zero_bucket" and bad))
     else:
         opt = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:], "lr": 0.02}], lr=0.05, momentum=0.9)
-    if f == "opt_load":
+    if f in ("opt_load", "opt_size"):
         os.makedirs(a.dir, exist_ok=True)
         if bad:
             other = model_()
-            o2 = torch.optim.SGD([{"params": [other[0].weight]}, {"params": [other[0].bias]},
-                                  {"params": list(other[2].parameters())}], lr=0.05, momentum=0.9)
+            if f == "opt_size":
+                o2 = torch.optim.SGD([{"params": [other[0].weight, other[0].bias, other[2].weight]},
+                                      {"params": [other[2].bias]}], lr=0.05, momentum=0.9)
+            else:
+                o2 = torch.optim.SGD([{"params": [other[0].weight]}, {"params": [other[0].bias]},
+                                      {"params": list(other[2].parameters())}], lr=0.05, momentum=0.9)
             path = f"{a.dir}/run_b_optim.pt"
             torch.save(o2.state_dict(), path)  # the other run's file, found under the same name pattern
         else:
