@@ -32,7 +32,9 @@ Faults (--rank N: the rank at fault):
                 (AttributeError: 'NoneType' object has no attribute 'norm')
   skip_step     rank N skips optimizer.step() at step 3 (a local loss-spike guard): its weights diverge silently;
                 the final weight check raises AssertionError on rank N
-  sched_warn    control: rank N calls scheduler.step() before optimizer.step() at step 1 (the UserWarning), exit 0
+  sched_warn    rank N calls scheduler.step() before optimizer.step() at step 1 (the UserWarning): its warm-up lr runs
+                one step ahead, its weights drift, and the final weight check raises AssertionError on rank N
+  sched_warn_all  control: every rank does so (the UserWarning on every rank; same schedule everywhere), exit 0
   none          control
 """
 import argparse, datetime, os, sys, time
@@ -117,7 +119,7 @@ def main() -> None:
         if f == "clip_inf" and bad and step == 3:
             for q in params:
                 q.grad.mul_(1e39)  # the local gradient post-processing overflows float32
-        if f == "sched_warn" and bad and step == 1:
+        if (f == "sched_warn" and bad or f == "sched_warn_all") and step == 1:
             sched.step()
         gn = torch.nn.utils.clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
         if f == "lr_str" and bad and step == 3:
@@ -126,7 +128,7 @@ def main() -> None:
             print(f"rank {rank} step {step} loss spike guard: skipping optimizer step", flush=True)
         else:
             opt.step()
-        if not (f == "sched_warn" and bad and step == 1):
+        if not ((f == "sched_warn" and bad or f == "sched_warn_all") and step == 1):
             sched.step()
         opt.zero_grad(set_to_none=True)
         if f == "grad_none" and bad and step == 2:
