@@ -11,7 +11,7 @@ Timestamp formats (--fmt; 'mixed' picks one per rank: rank % 5):
 --ts-ranks a,b: only these ranks' records carry a timestamp (the others print '[rank R] LEVEL msg').
 --offset S --offset-node K: the logger of every rank on node K (GROUP_RANK) adds S seconds to its clock (stands for
   a node whose clock is skewed). --fake-start 'YYYY-mm-ddTHH:MM:SS': every logger shifts its clock so that the moment
-  the process group is ready (rank 0's time, broadcast) reads as that instant (used to cross midnight).
+  the model is wrapped (rank 0's time, broadcast) reads as that instant (used to cross midnight).
 TZ is taken from the environment (the two-node wrapper fault61_nodes.py can give each node its own TZ).
 
 Faults (--rank N, --rank2 M):
@@ -116,15 +116,15 @@ def heartbeat():
 def main():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=a.pg_timeout))
     world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     global OFFSET
     if a.fake_start:
         t0 = torch.tensor([time.time()], dtype=torch.float64)
         dist.broadcast(t0, 0)
         OFFSET += datetime.datetime.fromisoformat(a.fake_start).timestamp() - float(t0)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     log.info("started: world_size=%d node=%d tz=%s", world, NODE, time.strftime("%Z"))
     if a.heartbeat:
         threading.Thread(target=heartbeat, daemon=True).start()
