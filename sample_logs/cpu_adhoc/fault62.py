@@ -19,6 +19,8 @@ Faults (--rank N: the rank at fault):
                 rank's gradients, clip_grad_norm_(error_if_nonfinite=True) raises on EVERY rank
   accum         rank N reads its accumulation count from its own config (--accum + 1): it syncs its gradients once
                 per accum+1 micro-batches, the others once per accum: their all-reduces drift apart
+  accum_steps   rank N derives its optimizer step count from its own shard (one more step than the others): its extra
+                step's gradient all-reduce meets the others' final weight-check broadcasts
   onecycle      OneCycleLR's total_steps comes from the rank's own shard length; rank N's shard is one step shorter,
                 so at the last step: ValueError: Tried to step N times. The specified number of total steps is M
   lambda_zero   a LambdaLR warm-up whose factor divides by the rank's warm-up length, 0 on rank N (ZeroDivisionError
@@ -102,7 +104,8 @@ def main() -> None:
     accum = a.accum + (1 if f == "accum" and bad else 0)
     print(f"rank {rank} world {world} optimizer {type(opt).__name__} accum {accum} steps {a.steps}", flush=True)
     g = torch.Generator().manual_seed(100 + rank)
-    for step in range(1, a.steps + 1):
+    n_loop = a.steps + (1 if f == "accum_steps" and bad else 0)
+    for step in range(1, n_loop + 1):
         for micro in range(accum):
             x = torch.randn(BATCH, 8, generator=g)
             y = torch.randint(0, 4, (BATCH,), generator=g)
