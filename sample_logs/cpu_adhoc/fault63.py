@@ -212,10 +212,11 @@ def gate(rank: int, trial: int, when: str) -> bool:
     if rank == 0:
         inside, outside = occupancy_scan()
         load1 = os.getloadavg()[0]
-        if outside or (a.load_warn and load1 > a.load_warn):
-            print(f"WARNING validity gate trial {trial} {when}: 1-min load average {load1:.2f}; busy processes "
-                  f"outside this allocation: {[(p_, f'{c}%', cl) for p_, c, cl in outside]}; result still comparable",
-                  flush=True)
+        if a.load_warn and (outside or load1 > a.load_warn):
+            top = sorted(outside, key=lambda t: -t[1])[:2]
+            print(f"WARNING validity gate trial {trial} {when}: 1-min load average {load1:.2f}; {len(outside)} busy "
+                  f"process(es) outside this allocation (top: {[(p_, f'{c}%', cl) for p_, c, cl in top]}); not in "
+                  f"the allocation, result still comparable", flush=True)
         if inside:
             for p_, c, cl in inside:
                 print(f"validity gate trial {trial} {when}: foreign compute process pid {p_} ({c}% CPU): {cl}",
