@@ -12,7 +12,8 @@ Validity gates (rank 0 decides, the verdict is broadcast so every rank agrees):
               BenchmarkInvalidError, the others return 0). Busy processes outside the allocation and the 1-min load
               average only give a WARNING (`--load-warn`).
   variance    a trial whose timed step times have a coefficient of variation above `--cv-max` is refused (exit 3).
-  window      `--window S`: before each trial, if the trials left cannot finish in the exclusive window, the matrix
+  window      `--window S`: before each trial after the first, if the trials left (at the mean time of those done)
+              cannot finish in the exclusive window, the matrix
               is abandoned as incomplete and nothing is published (exit 4 on every rank).
 
 Faults:
@@ -22,7 +23,8 @@ Faults:
   --digest stack|shape after the matrix, a digest over the sharded state: `stack` (rank 0 gathers every rank's shard
                        and stacks them; the last rank's shard is shorter), `shape` (every rank checks its shard's
                        shape against full_rows // world; the last rank's is shorter)
-  --marker PATH --marker-trial T   rank 0 touches PATH when trial T starts (a wrapper starts a CPU burner on it)
+  --marker PATH --marker-trial T [--marker-when before|during]   rank 0 touches PATH when trial T starts, before or
+                       after its 'before' gate (a wrapper starts a CPU burner on it)
 
 Launch modes:
   (worker)             under torchrun
@@ -55,6 +57,7 @@ p.add_argument("--report", choices=["naive", "compat"], default="compat")
 p.add_argument("--digest", choices=["none", "stack", "shape"], default="none")
 p.add_argument("--marker", default="")
 p.add_argument("--marker-trial", type=int, default=2)
+p.add_argument("--marker-when", choices=["before", "during"], default="before")
 p.add_argument("--probe", action="store_true")
 p.add_argument("--banner", action="store_true")
 p.add_argument("--launch", action="store_true")
@@ -255,12 +258,11 @@ def main():
     matrix = [(ad, r) for ad in adapters for r in range(a.repeats)]
     t_start = time.time()
     results = []
-    per_trial_s = (a.warmup + a.steps) * a.step_s + 1.5
     for ti, (adapter, rep) in enumerate(matrix, 1):
-        if a.window:
+        if a.window and ti > 1:
             left = len(matrix) - ti + 1
             elapsed = time.time() - t_start
-            need = left * per_trial_s
+            need = left * elapsed / (ti - 1)
             flag = torch.tensor([1.0 if elapsed + need > a.window else 0.0])
             dist.broadcast(flag, 0)
             if flag.item():
@@ -272,11 +274,13 @@ def main():
                 dist.barrier()
                 dist.destroy_process_group()
                 sys.exit(4)
-        if a.marker and rank == 0 and ti == a.marker_trial:
+        if a.marker and rank == 0 and ti == a.marker_trial and a.marker_when == "before":
             open(a.marker, "w").close()
         if gate(rank, ti, "before"):
             refuse(rank, f"trial {ti} ({adapter} repeat {rep}): foreign compute process in the allocation before "
                          f"the trial", 3)
+        if a.marker and rank == 0 and ti == a.marker_trial and a.marker_when == "during":
+            open(a.marker, "w").close()
         model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
         ddp = DDP(model)
         if adapter == "zero":
