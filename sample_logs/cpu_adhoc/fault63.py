@@ -216,7 +216,7 @@ def gate(rank: int, trial: int, when: str) -> bool:
         inside, outside = occupancy_scan()
         load1 = os.getloadavg()[0]
         if a.load_warn and (outside or load1 > a.load_warn):
-            top = sorted(outside, key=lambda t: -t[1])[:2]
+            top = sorted(outside, key=lambda t: -t[1])[:1]
             print(f"WARNING validity gate trial {trial} {when}: 1-min load average {load1:.2f}; {len(outside)} busy "
                   f"process(es) outside this allocation (top: {[(p_, f'{c}%', cl) for p_, c, cl in top]}); not in "
                   f"the allocation, result still comparable", flush=True)
