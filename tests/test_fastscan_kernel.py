@@ -23,13 +23,20 @@ shaped = st.builds(lambda open_, word, digits, close, rest: open_ + word + digit
                                                                   "rank ", "rank=", "gpu-"]),
                    DIGITS, st.sampled_from(["]:", "]: ", "]:[", "]", ":", " |", "] ", "/8]"]), texts)
 
+# a logging format's time, then a rank field (`2026-12-03T11:19:07.145+00:00 rank2 INFO`, `1796297283.230 r0 INFO`)
+stamped = st.builds(lambda stamp, word, digits, after, rest: stamp + word + digits + after + rest,
+                    st.sampled_from(["2026-12-03T11:19:07.145+00:00 ", "1796297283.230 ", "11:18:28.879 ", "[12:00:01] ",
+                                     "2026-12-03 11:19:07,1 ", "12 ", "1:2:3 ", "2026-12-03 11:19:07 running ", ""]),
+                    st.sampled_from(["rank", "r", "Rank ", "R", "rank=", "ra"]), DIGITS,
+                    st.sampled_from([" INFO", " info", ":", " |", " step", " x", "", " ERRORS"]), texts)
+
 
 def _buf(text: str) -> np.ndarray:
     return np.frombuffer(text.encode(), dtype=np.uint8)
 
 
 @settings(max_examples=5000, deadline=None)
-@given(texts | shaped)
+@given(texts | shaped | stamped)
 def test_rank_marker_matches_the_exact_path(text):
     found = kernel_markers.marker(_buf(text), 0, len(text), np.empty(8, dtype=np.int64))
     if found == -2:

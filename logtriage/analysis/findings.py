@@ -14,7 +14,9 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 from logtriage.analysis.childfailed import ChildFailure, signal_name
+from logtriage.analysis.clock_offsets import clock_offsets, on_reference_clock
 from logtriage.analysis.exception_names import exception_type_of, short_type, unglued
+from logtriage.analysis.record_stamps import record_stamps
 from logtriage.analysis.same_event import one_reading_per_event
 from logtriage.analysis.timestamps import Stamp
 from logtriage.analysis.went_on import mark_went_on
@@ -168,7 +170,10 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
     entry_time = {(f.source, f.line): f.time for f in failures}
     tasks_are_nodes = srun_tasks_are_nodes(scan, failures)
     findings = []
-    for hit in sorted([*primary.values(), *extra], key=lambda h: h.seq):
+    chosen = sorted([*primary.values(), *extra], key=lambda h: h.seq)
+    records = record_stamps(scan, chosen)
+    offsets = clock_offsets(scan, keys)
+    for hit in chosen:
         if (scan.block_kinds.get(hit.block_id) == "ignored" or hit.block_id in scan.block_exit_hooks) \
                 and hit.rule.role is not Role.CONTEXT:
             continue   # an exception CPython printed and went on from (a __del__, a finalizer at exit)
@@ -177,7 +182,7 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
             continue   # a warning is raised only at a traceback's end; elsewhere it was printed (its path wrapped)
         stream = keys[scan.slots.final(hit.slot)]
         rank, how = stream.rank_or_none, "stream"
-        stamp = hit.stamp
+        stamp = hit.stamp or records.get(hit.block_id)
         if stream.kind is StreamKind.LAUNCHER or (rank is None and _WORKER_FIELDS & hit.captures.keys()):
             # a launcher's line about one worker, also when glued to other output
             rank, how = _launcher_rank(hit, entry_rank, workers)
@@ -189,6 +194,7 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
             named = next((hit.captures[k] for k in SELF_RANK_CAPTURES if hit.captures.get(k, "").isdigit()), None)
             if named is not None:
                 rank, how = int(named), "capture"
+        stamp = on_reference_clock(stamp, rank, offsets)
         frame, frame_file = _innermost_frame(scan, hit)
         collective = scan.block_collectives.get(hit.block_id, "")
         error_file = error_files.get((hit.source, hit.line))

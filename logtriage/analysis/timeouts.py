@@ -134,7 +134,9 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
     behind = _behind(facts, timed_out)
     if behind is not None:
         return RootCause(first.rule, first, behind, (behind,), 0.4, (
-            f"every rank timed out; rank {behind} was behind the others (lowest last step)",))
+            f"every rank timed out; rank {behind} was behind the others (lowest last step)" if behind in facts.last_step
+            else f"ranks {ranges(sorted(timed_out), limit=8)} timed out; rank {behind} never printed a step line, "
+                 "which every other rank did: it was behind them all",))
     lone = _waited_elsewhere(live, timeouts, peer_closed - timed_out) if not missing else None
     if lone is not None:
         # every rank is accounted for, and all but one timed out; that one's wait, in another
@@ -273,6 +275,11 @@ def _peer_waited_for(finding: Finding) -> int | None:
 
 def _behind(facts: RankFacts, ranks: set[int]) -> int | None:
     steps = {r: facts.last_step[r] for r in ranks if r in facts.last_step}
+    stepless = [r for r in ranks if r not in facts.last_step and r in facts.speaking]
+    if len(stepless) == 1 and steps and len(facts.last_step) >= 3 and len(facts.last_step) + 1 == len(facts.known):
+        # every other rank printed its progress lines (and was read as printing them), this one spoke but
+        # never reached a step: it is behind them all (an extra collective before its first step)
+        return stepless[0]
     if len(steps) < 2:
         return None
     low = min(steps.values())

@@ -5,7 +5,9 @@ Formats: py-glog `E0424 01:11:21.160832 pid file:line]` (no year), C++ glog
 and the fraction come from different reads, so only whole seconds are trusted), Python
 logging / ISO `2026-11-30 00:01:41,740` or `2026-11-30T00:01:41.740Z`, DeepSpeed
 `[2025-01-16 16:17:48,379]`, ChildFailedError `2026-11-29_23:34:30`, syslog/dmesg-like
-`Nov 30 00:01:41`. Without a year, all stamps of one log are assumed to share one."""
+`Nov 30 00:01:41`, a script's epoch seconds `1796296783.691` and a bare time of day `11:18:28.879`.
+Without a year, all stamps of one log are assumed to share one. Epoch seconds (UTC, where the others
+are local time) and a bare time of day (no date) are compared only with their own kind."""
 
 from __future__ import annotations
 
@@ -17,6 +19,10 @@ _GLOG = re.compile(r"^\[?[IWEFC](\d{1,2})(\d\d) (\d\d):(\d\d):(\d\d)\.(\d{3,9})"
 _ISO = re.compile(r"^\[?(\d{4})-(\d\d)-(\d\d)[ T_](\d\d):(\d\d):(\d\d)(?:[.,](\d{1,9}))?")
 _MONTHS = {m: i for i, m in enumerate("Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec".split(), 1)}
 _SYSLOG = re.compile(r"^(Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) +(\d{1,2}) (\d\d):(\d\d):(\d\d)")
+# `time.time()` printed with its fraction (2001-09-09 to 2039-09-07), and a time of day alone
+_EPOCH = re.compile(r"^\[?(1\d{9}|20\d{8}|21\d{8})\.(\d{1,9})(?=[\s\]])")
+_CLOCK = re.compile(r"^\[?(\d\d):(\d\d):(\d\d)(?:[.,](\d{1,9}))?(?=[\s\]])")
+ISOLATED_FAMILIES = frozenset({"epoch", "clock"})
 _DAYS_BEFORE = (0, 0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334)
 
 
@@ -52,6 +58,17 @@ def parse_stamp(text: str) -> Stamp | None:
                 return None
             fraction = int(frac) / 10 ** len(frac) if frac else 0.0
             return Stamp(base + fraction, 0.001 if frac else 1.0, "iso")
+        m = _EPOCH.match(text)
+        if m:
+            frac = m.group(2)
+            return Stamp(int(m.group(1)) + int(frac) / 10 ** len(frac), 0.001, "epoch")
+        m = _CLOCK.match(text)
+        if m:
+            hh, mm, ss, frac = m.groups()
+            if int(hh) >= 24 or int(mm) >= 60 or int(ss) >= 61:
+                return None
+            fraction = int(frac) / 10 ** len(frac) if frac else 0.0
+            return Stamp(int(hh) * 3600 + int(mm) * 60 + int(ss) + fraction, 0.001 if frac else 1.0, "clock")
     if first in "JFMASOND":
         m = _SYSLOG.match(text)
         if m:
@@ -79,6 +96,8 @@ def _seconds(month: int, day: int, hh: int, mm: int, ss: int) -> float | None:
 def clearly_before(a: Stamp | None, b: Stamp | None) -> bool | None:
     """True/False when the stamps order the two events beyond their precision, else None."""
     if a is None or b is None:
+        return None
+    if a.family != b.family and (a.family in ISOLATED_FAMILIES or b.family in ISOLATED_FAMILIES):
         return None
     margin = max(a.precision, b.precision)
     if a.seconds + margin <= b.seconds:

@@ -11,6 +11,10 @@ from logtriage.demux.prefixes import Dialect, line_prefix_end
 from logtriage.demux.split import split_glued
 
 PROBE = re.compile(r"^([A-Z][A-Z0-9_]*_JSON)=(.*)$")
+# a line's own time at its start: ISO or a time of day (with a fraction, a zone), or epoch seconds
+_STAMP = (r"^\s*\[?(?:(?:\d{4}-\d\d-\d\d[ T_])?\d\d:\d\d:\d\d(?:[.,]\d{1,9})?(?:Z|[+-]\d\d:?\d\d)?"
+          r"|\d{9,10}(?:\.\d{1,9})?)\]?")
+_LEVELS = "INFO|WARNING|WARN|ERROR|DEBUG|CRITICAL|FATAL"
 # ASCII classes (`\b`, `\s`) as the fast-scan kernel reads bytes: `rank:0é` names rank 0 in both
 _RANK_MARKERS = (
     re.compile(r"\[\s*(?:global[_ ])?rank\s*[:=#]?\s*(\d{1,9})\s*(?:/\s*\d+\s*)?\]", re.IGNORECASE | re.ASCII),
@@ -26,6 +30,11 @@ _RANK_MARKERS = (
     # `ERROR rank 5: message` / `INFO rank 2: step 3` behind its bare level word
     re.compile(r"(?:\]|\b(?:ERROR|WARNING|WARN|INFO|DEBUG|CRITICAL|FATAL))\s+rank ?(\d{1,9}): ",
                re.IGNORECASE | re.ASCII),
+    # a logging format's rank field right after its time (`2026-12-03T11:19:07.145+00:00 rank2 INFO step 1`,
+    # `1796297283.230 r0 INFO ...`, `11:18:28.879 rank3: ...`): `rN` only before a level word
+    re.compile(_STAMP + r"\s+rank ?(\d{1,9})(?:\s*[:|]|\s+(?:" + _LEVELS + r"|step|epoch|iter|loss|batch)\b)",
+               re.IGNORECASE | re.ASCII),
+    re.compile(_STAMP + r"\s+r(\d{1,9})\s+(?:" + _LEVELS + r")\b", re.ASCII),
 )
 
 

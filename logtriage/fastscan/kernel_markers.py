@@ -83,7 +83,30 @@ def marker(buf, c, end, found):
         for q in range(count):
             if _after_a_bracket(buf, c, found[q], head_end):
                 return -2   # find_rank_marker's `] rank 4: ` (a logging format's level): the exact path reads it
+        if _stamp_then_r(buf, c, head_end):
+            return -2   # find_rank_marker's `<time> rank2 INFO `, `<epoch> r0 INFO `: the exact path reads it
     return value
+
+
+@njit(cache=True, nogil=True)
+def _stamp_then_r(buf, c, head_end):
+    """Whether the message starts with a time's characters (a digit first, maybe in a bracket) and a blank,
+    and then `rank` or `r` and a digit: a candidate for find_rank_marker's stamp-led patterns."""
+    k = skip_spaces(buf, c, head_end)
+    if k < head_end and buf[k] == 91:
+        k += 1
+    if k >= head_end or not is_digit(buf[k]):
+        return False
+    limit = min(head_end, k + 48)
+    while k < limit:
+        b = buf[k]
+        if not (is_digit(b) or b == 45 or b == 58 or b == 46 or b == 44 or b == 84 or b == 90 or b == 43
+                or b == 95 or b == 93 or b == 32 or b == 9):
+            break
+        k += 1
+    if k >= head_end or (buf[k] | 32) != 114 or not (buf[k - 1] == 32 or buf[k - 1] == 9):
+        return False
+    return (k + 1 < head_end and is_digit(buf[k + 1])) or (k + 4 <= head_end and is_rank_at(buf, k))
 
 
 @njit(cache=True, nogil=True)
