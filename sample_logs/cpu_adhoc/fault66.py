@@ -38,7 +38,7 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     trace("start")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=a.pg_timeout))
-    print(f"rank {RANK} of {world} ready (gloo, fault={a.fault} on rank {a.rank})")
+    print(f"rank {RANK} of {world} ready (gloo)")
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
