@@ -10,7 +10,9 @@ Faults (--fault):
   fromnone   a KeyError from the batch lookup, re-raised as raise RuntimeError(...) from None (the cause suppressed)
   group      a prefetch of the step's shards runs in an asyncio.TaskGroup; one task raises FileNotFoundError
              (the ExceptionGroup box, one sub-exception)
-  group2     the same with two failing tasks: FileNotFoundError and a ValueError (two sub-exceptions)
+  group2     the same with two failing tasks: FileNotFoundError and a ValueError 10 ms later (the TaskGroup cancels
+             the second task when the first fails: one sub-exception in the log)
+  groupmany  two failing tasks that fail before their first await: both collected (two sub-exceptions)
   exceptstar the step raises ExceptionGroup("batch validation", [ValueError, IndexError]); an `except* IndexError`
              handler re-raises as RuntimeError, the ValueError part propagates
   note       ValueError with add_note() notes (the rank, shard, sample and a hint)
@@ -66,8 +68,9 @@ def decode_record(raw: str) -> dict:
     return json.loads(raw)
 
 
-async def fetch_shard(i: int, bad: set):
-    await asyncio.sleep(0.01 * (i + 1))
+async def fetch_shard(i: int, bad: set, eager: bool = False):
+    if not eager:
+        await asyncio.sleep(0.01 * (i + 1))
     if i in bad:
         if i % 2 == 1:
             raise FileNotFoundError(2, "No such file or directory", f"/data/shards/train-{i:05d}.bin")
@@ -75,10 +78,10 @@ async def fetch_shard(i: int, bad: set):
     return i
 
 
-async def prefetch(shards, bad):
+async def prefetch(shards, bad, eager=False):
     async with asyncio.TaskGroup() as tg:
         for i in shards:
-            tg.create_task(fetch_shard(i, bad))
+            tg.create_task(fetch_shard(i, bad, eager))
 
 
 def fail(kind: str, rank: int, step: int) -> None:
@@ -103,6 +106,8 @@ def fail(kind: str, rank: int, step: int) -> None:
     if kind in ("group", "group2"):
         bad = {4 * rank + 1} if kind == "group" else {4 * rank + 1, 4 * rank + 2}
         asyncio.run(prefetch(range(4 * rank, 4 * rank + 4), bad))
+    if kind == "groupmany":  # both bad shards fail before their first await: the TaskGroup collects both
+        asyncio.run(prefetch(range(4 * rank, 4 * rank + 4), {4 * rank + 1, 4 * rank + 2}, eager=True))
     if kind == "exceptstar":
         try:
             raise ExceptionGroup("batch validation", [ValueError("sample 3: 7 features, expected 8"),
