@@ -47,6 +47,8 @@ from logtriage.analysis.signal_readings import (
     unsent_sigterms,
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
+from logtriage.analysis.odd_dtype import odd_dtype_rank
+from logtriage.analysis.validity import refused_result_first
 from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_named_ranks, group_destroyed,
                                               oom_on_shared_gpu, spawn_report_yields, timer_reaped, unresolved_host,
                                               waited_for_a_crash, writer_behind_readers)
@@ -107,7 +109,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
             root = heartbeats_before_stop(scan, keys, root, findings, catalog)
         root = time_limit_ended_hang(scan, keys, root, findings)
     if root is not None:
-        root = timer_reaped(waited_for_a_crash(root, findings), findings)
+        root = timer_reaped(waited_for_a_crash(refused_result_first(root, findings), findings), findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
         root = sigkill_on_gpu_job(root, findings, catalog)
     if root is not None:
@@ -118,7 +120,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = abort_after_dump_signal(checkpoint_io(frame_reading(root, catalog), catalog), findings)
         root = dcp_named_ranks(root, findings, scan.block_exceptions)
         root = probe_json_without_banner(root, bool(scan.banner_lines), catalog)
-        root = different_collectives_at_one_seq(root, findings, catalog)
+        root = odd_dtype_rank(different_collectives_at_one_seq(root, findings, catalog), scan, keys)
         root = watchdog_spared_rank(root, findings, facts)
         root = store_wait_after_progress(root, findings, facts, first_progress(stream_stats), catalog)
         root = group_destroyed(root, {k.rank for k, s in stream_stats.items()
@@ -133,7 +135,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is None and failures:
         root = exit_only_root(failures, catalog)
     if root is not None and failures:
-        root = same_error_in_summary(error_file_exception(root, failures, catalog), failures, catalog)
+        root = same_error_in_summary(checkpoint_io(error_file_exception(root, failures, catalog), catalog), failures,
+                                     catalog)
     if root is not None:
         root = writer_behind_readers(root, findings)
     if root is None:

@@ -35,6 +35,9 @@ _INSTALLED_PACKAGE = re.compile(r"[/\\](?:site|dist)-packages[/\\]([A-Za-z_]\w*)
 # a path the error names that is a checkpoint's (`'out/tmp-checkpoint-x' -> 'out/checkpoint-100'`)
 # a path named for checkpoints, or a file in torch's or safetensors' own formats (`step2.pt`)
 _CHECKPOINT_PATH = re.compile(r"'[^']*(?:checkpoint|ckpt)[^']*'|'[^']*\.(?:pt|pth|safetensors)'", re.IGNORECASE)
+# a copy, archive or upload tool's command that failed (`Command '['tar', 'czf', ...]' returned non-zero`)
+_COPY_COMMAND = re.compile(r"Command '\[?'?(?:\S*/)?(?:tar|cp|rsync|mv|zip|gzip|pigz|zstd|gsutil|aws|azcopy|rclone|scp|"
+                           r"s5cmd)\b")
 _MISSING_PATH = re.compile(r"is not a valid (?:directory|file|path)|does not exist|(?:not found|No such file)\b")
 # an object store answering that the key is not there (botocore's ClientError)
 _MISSING_OBJECT = re.compile(r"\((?:404|NoSuchKey)\) when calling the \w+ operation")
@@ -50,7 +53,8 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
     if f is None or root.rule.id not in GENERIC_RULES:
         return root
     kind = short_type(f.exception_type)
-    named = _CHECKPOINT_PATH.search(f.text) if kind in FILE_SYSTEM_ERRORS and not f.checkpoint_frame else None
+    copied = kind == "CalledProcessError" and _COPY_COMMAND.search(f.text) is not None
+    named = _CHECKPOINT_PATH.search(f.text) if (kind in FILE_SYSTEM_ERRORS or copied) and not f.checkpoint_frame else None
     if not f.checkpoint_frame and named is None:
         return root
     where = f"`{f.checkpoint_frame}`" if f.checkpoint_frame else f"an operation on {named.group(0)}"
@@ -58,7 +62,7 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
     if kind == "KeyError" and loading:
         # the loader looked up a key the file does not have (`iteration`, `state`): another format
         rule_id = "ckpt.format_mismatch"
-    elif kind in FILE_SYSTEM_ERRORS or (f.checkpoint_frame and root.rule.id == "host.filesystem_error"):
+    elif kind in FILE_SYSTEM_ERRORS or copied or (f.checkpoint_frame and root.rule.id == "host.filesystem_error"):
         # (the file system's own errors whatever their type: torch 1.x's `RuntimeError: write(): fd N
         # failed with Input/output error`)
         if kind == "FileNotFoundError" and loading:
@@ -211,8 +215,11 @@ def error_file_exception(root: RootCause, failures: list[ChildFailure], catalog:
     if failure is None:
         return root
     # the exception as the catalog reads it (MemoryError is host memory), else by its type
+    # (not as a launcher's exit notice: a CalledProcessError in a worker's own error file is the
+    # worker's child process failing, whatever command it ran)
     hit = next((h for h in match_line(catalog, failure.exception)
-                if h.rule.role in (Role.ROOT_CANDIDATE, Role.EITHER) and not h.rule.teardown), None)
+                if h.rule.role in (Role.ROOT_CANDIDATE, Role.EITHER) and not h.rule.teardown
+                and h.rule.id != "signal.exit_nonzero"), None)
     rule = hit.rule if hit is not None else catalog.get("python.exception")
     if rule is None:
         return root
