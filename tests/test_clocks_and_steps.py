@@ -70,3 +70,11 @@ def test_a_node_in_another_time_zone_is_read_on_the_other_nodes_clock():
     # rank 4's KeyError (node 1, 19:30:37.659) came a second before rank 1's ValueError (node 0, 11:30:38.661)
     rc = _root("clk_twotz_np6_r4_pdsh2")
     assert (rc["rule_id"], rc["rank"], rc["exception_type"]) == ("python.exception", 4, "KeyError")
+
+
+def test_a_rank_that_fell_silent_while_the_others_heartbeats_repeated_is_the_one_they_waited_for():
+    # `timeout 28 torchrun ...`: rank 2's regex holds the GIL (its heartbeat thread stops too) after
+    # `step 3: fetching batch`; ranks 0, 1, 3 log `heartbeat step=3` until torchrun gets SIGTERM
+    rc = _root("clk_regexhung_np4_r2_plain")
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("hang.stopped_while_waiting", "hang", 2)
+    assert "before the others began repeating" in rc["reasons"][-1]

@@ -41,10 +41,11 @@ def heartbeats_before_stop(scan: ScanResult, keys: list[StreamKey], root: RootCa
     beats = _progress_before(scan, keys, stop.source, end)
     stalled = {rank: texts for rank, texts in beats.items() if _repeats_at_one_step(texts)}
     moving = [rank for rank, texts in beats.items() if rank not in stalled and len(texts) >= 2]
-    if not stalled or moving:
+    silent = _fell_silent(beats, stalled, moving)
+    if not stalled or (moving and silent is None):
         return root
     step = max(texts[-1][0] for texts in stalled.values())
-    rank, why = _odd_heartbeat(stalled)
+    rank, why = _odd_heartbeat(stalled) if silent is None else silent
     rule = catalog.get(STOPPED_WHILE_WAITING) or fallback_rule(
         STOPPED_WHILE_WAITING, Category.HANG, "Stopped while waiting: the run had hung")
     reasons = root.reasons + (
@@ -143,13 +144,38 @@ def _dump_of_the_odd_rank(root: RootCause, facts: RankFacts) -> RootCause:
 
 
 def _progress_before(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> dict[int, list]:
-    """Each rank's progress messages (step, masked text) in the WINDOW lines before line `end`."""
+    """Each rank's progress messages (step, masked text, order in the window) in the WINDOW lines
+    before line `end`."""
     beats: dict[int, list] = {}
-    for rank, piece in _ranked_pieces(scan, keys, source, end):
+    for order, (rank, piece) in enumerate(_ranked_pieces(scan, keys, source, end)):
         step = step_number(piece)
         if step is not None:
-            beats.setdefault(rank, []).append((step, mask_numbers(piece).strip()))
+            beats.setdefault(rank, []).append((step, mask_numbers(piece).strip(), order))
     return beats
+
+
+def _fell_silent(beats: dict[int, list], stalled: dict[int, list], moving: list[int]) -> tuple[int, str] | None:
+    """The one rank whose progress lines changed (it did not repeat one heartbeat) and then stopped
+    before any other rank's repeating began: its heartbeat stopped with it (a loop that holds the
+    GIL, a process stopped), while the others waited for it and went on beating."""
+    if len(moving) != 1 or not stalled:
+        return None
+    rank = moving[0]
+    repeating_from = min(_repeat_start(texts) for texts in stalled.values())
+    last = beats[rank][-1]
+    if last[2] >= repeating_from:
+        return None
+    return rank, (f"rank {rank}'s last progress line (`{last[1]}`, step {last[0]}) came before the others began "
+                  f"repeating theirs, and it printed nothing after: it stopped there, heartbeat and all, and the others "
+                  f"waited for it")
+
+
+def _repeat_start(texts: list) -> int:
+    """Where the run of identical messages at the end of one rank's progress lines begins."""
+    start = len(texts) - 1
+    while start > 0 and texts[start - 1][1] == texts[-1][1]:
+        start -= 1
+    return texts[start][2]
 
 
 def _ranked_pieces(scan: ScanResult, keys: list[StreamKey], source: int, end: int):
@@ -172,7 +198,7 @@ def _ranked_pieces(scan: ScanResult, keys: list[StreamKey], source: int, end: in
 
 def _repeats_at_one_step(texts: list[tuple[int, str]]) -> bool:
     last = texts[-REPEATS:]
-    return len(last) == REPEATS and len({t for t in last}) == 1
+    return len(last) == REPEATS and len({t[:2] for t in last}) == 1
 
 
 def _odd_heartbeat(stalled: dict[int, list]) -> tuple[int | None, str]:
