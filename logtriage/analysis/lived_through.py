@@ -49,8 +49,12 @@ def _what_ranks_died_of(live: list[Finding], facts: RankFacts) -> set[str]:
         if f.rank is not None and f.stream.kind is StreamKind.RANK and f.role in (Role.ROOT_CANDIDATE, Role.EITHER) \
                 and f.block_id >= 0:
             last[f.rank] = f
-    return {f.signature for rank, f in last.items()
-            if rank in facts.exit_codes and is_own_failure(facts.exit_codes[rank])}
+    # (with every exception of that traceback: a chain's first exception, `The above exception was the
+    # direct cause ...`, ended the rank as much as the one it raised)
+    ended = {(f.source, f.block_id) for rank, f in last.items()
+             if rank in facts.exit_codes and is_own_failure(facts.exit_codes[rank])}
+    return {f.signature for f in live if (f.source, f.block_id) in ended and f.rank is not None
+            and f.role in (Role.ROOT_CANDIDATE, Role.EITHER)}
 
 
 def _another_error_later(finding: Finding, live: list[Finding]) -> bool:

@@ -51,9 +51,12 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
         m = BROADCAST_SOURCE.search(text)
         if m:
             state["broadcast_src"] = int(m.group(1))
+    frame = FRAME.match(text) if ", in " in text else None
+    if frame is None and state.pop("code_next", False) and text.startswith("    ") and text.strip():
+        state["last_code"] = text.strip()   # the innermost frame's source line, where it shows one
     if ", in " in text:
-        frame = FRAME.match(text)
         if frame:
+            state["code_next"], state["last_code"] = True, ""
             if "cause_frame" not in state:
                 state.setdefault("functions", set()).add(frame.group(3))   # the first exception's frames
             if "last_frame" not in state and frame.group(2).endswith(("threading.py", "weakref.py")):
@@ -71,6 +74,8 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
 
 
 _CLEANUP_FRAMES = frozenset({"__exit__", "__aexit__"})
+# a source line that calls or computes something: not a `raise` (nor `assert`), and not a caret row
+_NOT_A_RAISE = re.compile(r"^(?!raise\b|assert\b|[~^\s]*$)\S")
 
 
 @dataclass
@@ -115,8 +120,10 @@ class TracebackFacts:
             self.threads.add(block_id)
         elif state.get("outermost") == "_exitfunc":
             self.exit_hooks.add(block_id)
-        if state.get("handler_in") and state.get("last_frame") not in state["handler_in"] | _CLEANUP_FRAMES:
+        if state.get("handler_in") and state.get("last_frame") not in _CLEANUP_FRAMES and (
+                state.get("last_frame") not in state["handler_in"] or _NOT_A_RAISE.match(state.get("last_code", ""))):
             # the handler's exception was raised in a function the first one never passed through: a
             # call the handler made failed (an emergency save, a barrier), not the handler re-raising
-            # (nor a `with` block's own cleanup, whose failure is the same operation's, often plainer)
+            # (nor a `with` block's own cleanup, whose failure is the same operation's, often plainer);
+            # or in the same function, on a line that is no `raise` (a `finally:`'s `os.remove(path)`)
             self.handler_calls_failed.add(block_id)
