@@ -26,9 +26,12 @@ redir_b = f">> {a.out_a} 2>&1" if a.shared_out else f"> {a.out_b} 2>&1"
 t0 = time.time()
 pa = subprocess.Popen(f"exec {a.a} {redir_a}", shell=True)
 while time.time() - t0 < 60 and pa.poll() is None:
-    with open(a.out_a, errors="replace") as fh:
-        if re.search(a.wait_for, fh.read()):
-            break
+    try:
+        with open(a.out_a, errors="replace") as fh:
+            if re.search(a.wait_for, fh.read()):
+                break
+    except FileNotFoundError:  # the shell has not created it yet
+        pass
     time.sleep(0.1)
 if a.between:
     subprocess.run(a.between, shell=True)
