@@ -5,8 +5,8 @@ fault71_two.py share something. --job names the job, --role says what this job d
 
 Roles (--rank N: the rank of THIS job that touches the shared thing):
   plain       train only (the other job of a port clash, a control run, a job killed from outside)
-  ckpt_save   rank N saves the shared checkpoint CKDIR/latest.pt at step 2, then at step 4 waits for the other job's
-              marker (CKDIR/../fault71_b_started, up to 40 s: stands in for the other job starting meanwhile) and
+  ckpt_save   rank N saves the shared checkpoint CKDIR/latest.pt at step 2, then at step 4 waits (every rank of the job
+              waits, outside any collective; before commit 001f2b78+1 only rank N did) for the other job's marker (CKDIR/../fault71_b_started, up to 40 s: stands in for the other job starting meanwhile) and
               reloads it (a resume check): FileNotFoundError if the other job cleared the folder, size mismatch if it
               overwrote the file with its own wider model
   ckpt_clear  rank N (job B) clears CKDIR at start ("fresh run") and writes the marker
@@ -86,10 +86,11 @@ def main():
             os.makedirs(a.ckdir, exist_ok=True)
             torch.save({"model": model.module.state_dict(), "step": step}, os.path.join(a.ckdir, "latest.pt"))
             say(rank, f"saved checkpoint {a.ckdir}/latest.pt")
-        if me and a.role == "ckpt_save" and step == 4:
-            t0 = time.time()
+        if a.role == "ckpt_save" and step == 4:
+            t0 = time.time()  # every rank waits (outside any collective), so that the others do not time out
             while not os.path.exists(MARK) and time.time() - t0 < 40:
                 time.sleep(0.2)
+        if me and a.role == "ckpt_save" and step == 4:
             say(rank, f"resume check: reloading {a.ckdir}/latest.pt")
             state = torch.load(os.path.join(a.ckdir, "latest.pt"))
             model.module.load_state_dict(state["model"])
