@@ -55,8 +55,8 @@ def clock_offsets(scan: ScanResult, keys: list[StreamKey]) -> dict[int, tuple[st
     offsets: dict[int, tuple[str, float]] = {}
     for rank, per_step in steps.items():
         shared = sorted(per_step.keys() & steps[reference].keys())
-        if rank == reference or not shared:
-            continue
+        if rank == reference or len(shared) < 2:
+            continue   # (one shared step cannot tell a clock from a rank that started late)
         gaps = [median(s.seconds for s in per_step[step]) - median(s.seconds for s in steps[reference][step])
                 for step in shared]
         gap = median(gaps)
