@@ -6,7 +6,7 @@ fault71_two.py share something. --job names the job, --role says what this job d
 Roles (--rank N: the rank of THIS job that touches the shared thing):
   plain       train only (the other job of a port clash, a control run, a job killed from outside)
   ckpt_save   rank N saves the shared checkpoint CKDIR/latest.pt at step 2, then at step 4 waits (every rank of the job
-              waits, outside any collective; before commit 001f2b78+1 only rank N did) for the other job's marker (CKDIR/../fault71_b_started, up to 40 s: stands in for the other job starting meanwhile) and
+              waits, outside any collective; before commit 37787839 only rank N did) for the other job's marker (CKDIR/../fault71_b_started, up to 40 s: stands in for the other job starting meanwhile) and
               reloads it (a resume check): FileNotFoundError if the other job cleared the folder, size mismatch if it
               overwrote the file with its own wider model
   ckpt_clear  rank N (job B) clears CKDIR at start ("fresh run") and writes the marker

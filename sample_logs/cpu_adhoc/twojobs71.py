@@ -5,7 +5,7 @@ time to twojobs71's own stdout (not into the captured files).
 
 Usage: python twojobs71.py --out-a A.log --out-b B.log [--wait-for 'step 2'] [--between 'bash cleanup.sh']
        --a 'torchrun ... fault71.py --job A ...' --b 'torchrun ... fault71.py --job B ...'"""
-import argparse, re, subprocess, time
+import argparse, re, signal, subprocess, time
 
 p = argparse.ArgumentParser()
 p.add_argument("--out-a", required=True)
@@ -14,6 +14,7 @@ p.add_argument("--a", required=True)
 p.add_argument("--b", required=True)
 p.add_argument("--wait-for", default="ready")
 p.add_argument("--between", default="")
+p.add_argument("--stop-a", action="store_true", help="SIGTERM job A's torchrun once job B has exited")
 p.add_argument("--shared-out", action="store_true", help="both consoles appended to --out-a (>>)")
 a = p.parse_args()
 for k in ("a", "b"):  # @FILE: read the command from FILE (keeps "fault71" out of this process's argv for pkill -f)
@@ -39,6 +40,8 @@ t1 = time.time()
 pb = subprocess.Popen(f"exec {a.b} {redir_b}", shell=True)
 rb = pb.wait()
 tb = time.time() - t1
+if a.stop_a and pa.poll() is None:
+    pa.send_signal(signal.SIGTERM)
 ra = pa.wait()
 ta = time.time() - t0
 print(f"job A rc {ra} wall {ta:.1f}")
