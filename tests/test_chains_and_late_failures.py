@@ -1,6 +1,6 @@
-"""Chained exceptions on one rank or all, and failures that come late in long logs, on real CPU runs of
-torch 2.13 (sample_logs/cpu_adhoc, the 66th-68th batches, each labelled before triage ran; the test names
-the run)."""
+"""Chained exceptions on one rank or all, failures that come late in long logs, and logging that only looks
+wrong, on real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the 66th-69th batches, each labelled before
+triage ran; the test names the run)."""
 
 from __future__ import annotations
 
@@ -60,3 +60,38 @@ def test_a_chain_is_read_by_the_exception_that_started_it(slug, rank, line, kind
 def test_the_one_rank_that_did_not_time_out_among_three_waiters_came_late(slug, rank):
     rc = _root(slug)
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("gloo.timeout", "collective_timeout", rank)
+
+
+@pytest.mark.parametrize("slug, rank, line", [
+    # rank 0 logs a caught FileNotFoundError with logger.exception ("using uniform weights") and its own
+    # later records are stamped after it: it went on; rank 2's KeyError at step 5 is the root
+    ("logging_logexc_np4_r2_plain", 2, 33),
+    ("logging_logexc_np6_r3_srun", 3, 48),
+])
+def test_an_error_a_rank_logged_before_its_own_later_stamped_progress_was_lived_through(slug, rank, line):
+    rc = _root(slug)
+    assert (rc["rule_id"], rc["rank"], rc["line"], rc["exception_type"]) == ("python.exception", rank, line, "KeyError")
+
+
+def test_an_empty_pickle_outside_any_checkpoint_code_is_the_programs_own_file():
+    # `pickle.load(fh)` of an empty cached batch in the script's `batch()`: no torch.load, no checkpoint frame
+    rc = _root("logging_stderrmix_np4_r2_plain")
+    assert (rc["rule_id"], rc["category"], rc["rank"], rc["exception_type"]) == (
+        "python.exception", "python_exception", 2, "EOFError")
+
+
+@pytest.mark.parametrize("slug, expected", [
+    # job A holds `dataset.lock`; job B's rank 0 gives up: `filelock._core._errors.Timeout` (a private module
+    # of exceptions, `_errors`, names the type)
+    ("twojobs_lock_np4_r0_plain", ("host.file_lock", "environment", 0, 21, "filelock._core._errors.Timeout")),
+    # both jobs create the shared-memory block `/fault71_batches`: FileExistsError in shared_memory.py
+    ("twojobs_shm_np4_r0_plain", ("host.shm_name_taken", "environment", 0, 15, "FileExistsError")),
+])
+def test_two_jobs_on_one_machine(slug, expected):
+    rc = _root(slug)
+    assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"], rc["exception_type"]) == expected
+
+
+def test_a_job_that_names_itself_before_its_ranks_done_lines_finished():
+    report = triage([str(SAMPLES / "twojobs_ctrl_np4_rnone_plain.log")]).to_dict()
+    assert (report["verdict"], report["root_cause"]) == ("ok", None)

@@ -135,6 +135,10 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
         rule, why = catalog.get("python.exception"), (
             "the EOFError is raised in multiprocessing's spawn `_main`, where a child unpickles what its parent "
             "sent: the parent failed to pickle the process's arguments (a lambda, a local class, an open file)")
+    elif kind == "EOFError" and root.rule.id == "ckpt.corrupt_archive" and f.last_frame and not f.checkpoint_frame:
+        rule, why = catalog.get("python.exception"), (
+            f"the EOFError is raised in `{f.last_frame}`, and no frame of its traceback saves or loads a checkpoint "
+            "(torch.load, a checkpoint function): an empty pickle of the program's own (a cache, a data file)")
     elif (root.rule.id in ("cuda.driver_unusable", "cuda.error") and "initialization error" in f.text
           and _LOADER_WORKER.search(f.block_exception)):
         rule, why = catalog.get("cuda.forked_subprocess"), (
@@ -165,6 +169,11 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
         rule, why = catalog.get("env.tmpdir_missing"), (
             f"the FileNotFoundError is raised in tempfile's `{f.last_frame}`, which creates a temporary file in a "
             "folder that does not exist: TMPDIR (or the dir= passed, often built from it) names a missing folder")
+    elif kind == "FileExistsError" and root.rule.id in GENERIC_RULES and f.last_file.endswith("/shared_memory.py"):
+        rule, why = catalog.get("host.shm_name_taken"), (
+            f"the FileExistsError is raised in multiprocessing's shared_memory (`{f.last_frame}`) creating a named "
+            "block: one of that name already exists in /dev/shm (another job on the node, or a run that never "
+            "unlinked it)")
     elif kind == "BlockingIOError" and root.rule.id in GENERIC_RULES and _FORK_FRAME.search(f.last_file):
         rule, why = catalog.get("host.thread_limit"), (
             f"the BlockingIOError (EAGAIN) is raised in `{f.last_frame}`, where the process forks a child: the "

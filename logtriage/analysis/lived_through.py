@@ -10,6 +10,7 @@ import re
 
 from logtriage.analysis.childfailed import is_own_failure
 from logtriage.analysis.findings import Finding
+from logtriage.analysis.timestamps import clearly_before, parse_stamp
 from logtriage.analysis.roots import RankFacts
 from logtriage.catalog.rule import Category, Role
 from logtriage.demux.streams import StreamKind
@@ -115,6 +116,10 @@ def progress_after(finding: Finding, facts: RankFacts, reports: dict[tuple[int, 
     span = facts.last_progress.get(finding.stream) if finding.stream.kind is StreamKind.RANK else None
     if span is None or finding.rank not in facts.exit_codes or is_own_failure(facts.exit_codes[finding.rank]):
         return False   # a worker that ended of its own failure (or whose end is not known) did not go on
+    if _logged_later(finding, span):
+        # its own progress records, stamped later than the error by the same process's clock: it went on
+        # (no buffering can reorder what the times say)
+        return not any(finding.line < line < span[2] for line in reports.get((finding.source, finding.rank), ()))
     spans = [s for s in facts.last_progress.values() if s[0] == finding.source]
     # an error every rank printed (an optional import, a metrics client, a flaky read), after which this
     # rank's progress goes on, and which the launcher says it did not die of (checked above)
@@ -125,6 +130,18 @@ def progress_after(finding: Finding, facts: RankFacts, reports: dict[tuple[int, 
         return False   # (a rank's own progress after its error is no sign alone: its stdout, buffered,
         #               is often printed after the traceback its stderr had already shown)
     return not any(finding.line < line < span[2] for line in reports.get((finding.source, finding.rank), ()))
+
+
+def _logged_later(finding: Finding, span: tuple[int, int, int, str]) -> bool:
+    """Whether the rank's last progress line comes after the finding in the log and carries a time
+    clearly later than the finding's own (or its error record's)."""
+    source, _, last, text = span
+    if finding.stamp is None or source != finding.source or last <= finding.line or _NOT_ROUTINE.search(text):
+        return False   # (a warning or an error that names a step, `step 3: writing emergency checkpoint`, is no progress)
+    return clearly_before(finding.stamp, parse_stamp(text.strip())) is True
+
+
+_NOT_ROUTINE = re.compile(r"\b(?:WARN(?:ING)?|ERROR|CRITICAL|FATAL)\b")
 
 
 def _around(span: tuple[int, int, int, str], finding: Finding) -> bool:

@@ -45,7 +45,7 @@ CHAIN = re.compile(r"^(?:During handling of the above exception, another excepti
 # `torch._dynamo.exc.BackendCompilerFailed`)
 EXCEPTION_HEAD = re.compile(r"^(?!nccl[A-Z])((?:[A-Za-z_]\w*\.)*(?:[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)"
                             r"|Exception|[A-Za-z_]\w*Error_[A-Z]\w*)|(?:[A-Za-z_]\w*\.)+Error"
-                            r"|(?:[A-Za-z_]\w*\.)*(?:exc|exceptions|errors)\.[A-Z]\w*)(?::|$)")
+                            r"|(?:[A-Za-z_]\w*\.)*_?(?:exc|exceptions|errors)\.[A-Z]\w*)(?::|$)")
 EXCEPTION_LINE = re.compile(r"^(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)(?::(?: (?P<message>.*))?)?$")
 # NCCL's own line header with NCCL_DEBUG set: `host:pid:tid [cudaDev] ` (the host and pid name one process)
 NCCL_PREFIX = re.compile(r"^([\w.-]{1,64}):(\d{1,12}):\d{1,12} \[\d{1,4}\] ")
