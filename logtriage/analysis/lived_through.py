@@ -10,8 +10,8 @@ import re
 
 from logtriage.analysis.childfailed import is_own_failure
 from logtriage.analysis.findings import Finding
-from logtriage.analysis.timestamps import clearly_before, parse_stamp
 from logtriage.analysis.roots import RankFacts
+from logtriage.analysis.timestamps import clearly_before, parse_stamp
 from logtriage.catalog.rule import Category, Role
 from logtriage.demux.streams import StreamKind
 
@@ -36,6 +36,8 @@ def lived_through(live: list[Finding], facts: RankFacts) -> list[Finding]:
 # what no progress line can undo (a stop, a hang): no reading of progress after them
 _NOT_GONE_ON = frozenset({Category.CRASH_SIGNAL, Category.HANG, Category.EXTERNAL_STOP, Category.PERFORMANCE_VALIDITY})
 _EXCEPTION_LINE = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt))\b")
+# a progress line at warning or error level (`WARNING step 3: writing emergency checkpoint`): no sign of going on
+_NOT_ROUTINE = re.compile(r"\b(?:WARN(?:ING)?|ERROR|CRITICAL|FATAL)\b")
 # a loss that is not a number: training goes on printing it, so only a finite loss after it is a recovery
 _NONFINITE = re.compile(r"\b(?:nan|inf)\b", re.IGNORECASE)
 
@@ -140,8 +142,6 @@ def _logged_later(finding: Finding, span: tuple[int, int, int, str]) -> bool:
         return False   # (a warning or an error that names a step, `step 3: writing emergency checkpoint`, is no progress)
     return clearly_before(finding.stamp, parse_stamp(text.strip())) is True
 
-
-_NOT_ROUTINE = re.compile(r"\b(?:WARN(?:ING)?|ERROR|CRITICAL|FATAL)\b")
 
 
 def _around(span: tuple[int, int, int, str], finding: Finding) -> bool:

@@ -172,7 +172,8 @@ def _link_failed_first(live: list[Finding], timed_out: set[int], first: Finding)
 def _waited_elsewhere(live: list[Finding], timeouts: list[Finding], closed: set[int]) -> int | None:
     """The one rank that did not time out but lost its peers, when its traceback shows it in another
     collective than every timed-out rank's (a barrier only rank 0 entered, while the others sat in
-    DDP's backward): a peer of the waiting ranks in their own collective loses them the same way."""
+    DDP's backward): a peer of the waiting ranks in their own collective loses them the same way, unless
+    three or more of them timed out there (their timers all ran out; its own had not: it came late)."""
     if len(closed) != 1 or len({f.rank for f in timeouts if f.rank is not None}) < 2:
         return None
     lone = next(iter(closed))
