@@ -135,10 +135,6 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
         rule, why = catalog.get("python.exception"), (
             "the EOFError is raised in multiprocessing's spawn `_main`, where a child unpickles what its parent "
             "sent: the parent failed to pickle the process's arguments (a lambda, a local class, an open file)")
-    elif kind == "EOFError" and root.rule.id == "ckpt.corrupt_archive" and f.last_frame and not f.checkpoint_frame:
-        rule, why = catalog.get("python.exception"), (
-            f"the EOFError is raised in `{f.last_frame}`, and no frame of its traceback saves or loads a checkpoint "
-            "(torch.load, a checkpoint function): an empty pickle of the program's own (a cache, a data file)")
     elif (root.rule.id in ("cuda.driver_unusable", "cuda.error") and "initialization error" in f.text
           and _LOADER_WORKER.search(f.block_exception)):
         rule, why = catalog.get("cuda.forked_subprocess"), (
@@ -182,6 +178,10 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
         rule, why = catalog.get("host.filesystem_error"), (
             f"the disk filled up in `{f.last_frame}`, outside any checkpoint code (no save frame): another "
             "writer, /tmp or /dev/shm, ran out of space")
+    elif kind == "EOFError" and root.rule.id == "ckpt.corrupt_archive" and f.last_frame and not f.checkpoint_frame:
+        rule, why = catalog.get("python.exception"), (
+            f"the EOFError is raised in `{f.last_frame}`, and no frame of its traceback saves or loads a checkpoint "
+            "(torch.load, a checkpoint function): an empty pickle of the program's own (a cache, a data file)")
     else:
         return root
     return root if rule is None else replace(root, rule=rule, reasons=root.reasons + (why,))

@@ -54,6 +54,8 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
     frame = FRAME.match(text) if ", in " in text else None
     if frame is None and state.pop("code_next", False) and text.startswith("    ") and text.strip():
         state["last_code"] = text.strip()   # the innermost frame's source line, where it shows one
+        if "checkpoint" not in state and _CHECKPOINT_CALL.search(text):
+            state["checkpoint"] = _CHECKPOINT_CALL.search(text).group(0)   # (its frames below it not shown)
     if ", in " in text:
         if frame:
             state["code_next"], state["last_code"] = True, ""
@@ -74,6 +76,8 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
 
 
 _CLEANUP_FRAMES = frozenset({"__exit__", "__aexit__"})
+# a source line that saves or loads a checkpoint itself
+_CHECKPOINT_CALL = re.compile(r"\btorch\.(?:load|save)\b")
 # a source line that calls or computes something: not a `raise` (nor `assert`), and not a caret row
 _NOT_A_RAISE = re.compile(r"^(?!raise\b|assert\b|[~^\s]*$)\S")
 
