@@ -22,16 +22,19 @@ def record_stamps(scan: ScanResult, hits: list[Hit]) -> dict[int, Stamp]:
     """block id -> the time of the error record right before that traceback, for the tracebacks
     among `hits` whose lines carry no time of their own."""
     wanted: dict[int, dict[int, int]] = {}     # source -> {record line: block id}
+    count = 0
     for hit in hits:
         if hit.stamp is not None or hit.block_id < 0 or scan.block_kinds.get(hit.block_id) != "traceback":
             continue
         source, first, _ = scan.blocks.get(hit.block_id, (hit.source, 0, 0))
         index = scan.indexes[source]
-        if first < 2 or first - 1 > len(index.slots) or sum(map(len, wanted.values())) >= MAX_BLOCKS:
+        if first < 2 or first - 1 > len(index.slots) or count >= MAX_BLOCKS:
             continue
         if scan.slots.final(index.slots[first - 2]) != scan.slots.final(hit.slot):
             continue     # the line before is another stream's
-        wanted.setdefault(source, {})[first - 1] = hit.block_id
+        records = wanted.setdefault(source, {})
+        count += (first - 1) not in records
+        records[first - 1] = hit.block_id
     stamps: dict[int, Stamp] = {}
     for source, records in wanted.items():
         texts = read_lines(scan.sources[source], scan.indexes[source], list(records))

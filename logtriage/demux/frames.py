@@ -54,8 +54,9 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
     frame = FRAME.match(text) if ", in " in text else None
     if frame is None and state.pop("code_next", False) and text.startswith("    ") and text.strip():
         state["last_code"] = text.strip()   # the innermost frame's source line, where it shows one
-        if "checkpoint" not in state and _CHECKPOINT_CALL.search(text):
-            state["checkpoint"] = _CHECKPOINT_CALL.search(text).group(0)   # (its frames below it not shown)
+        call = _CHECKPOINT_CALL.search(text) if "checkpoint" not in state else None
+        if call:
+            state["checkpoint"] = call.group(0)   # (its frames below it not shown)
     if ", in " in text:
         if frame:
             state["code_next"], state["last_code"] = True, ""
