@@ -122,11 +122,17 @@ def test_the_one_rank_that_did_not_time_out_but_lost_the_others_was_elsewhere(tm
     text = _in(0, "barrier", GLOO_CLOSED) + "".join(_in(r, "_engine_run_backward", GLOO_TIMEOUT) for r in (1, 2, 3))
     rc = _root(tmp_path, text)
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("gloo.timeout", "collective_timeout", 0)
-    # in the same collective as the waiting ranks, it lost them as their peer (sample_logs/cpu_adhoc/
-    # tag_mismatch_np5_r2_role): that says nothing of who was late
+    # in one of the collectives the waiting ranks were spread over, it lost them as their peer
+    # (sample_logs/cpu_adhoc/tag_mismatch_np5_r2_role): that says nothing of who was late
+    text = (_in(0, "_engine_run_backward", GLOO_CLOSED) + _in(1, "send", GLOO_TIMEOUT) + _in(2, "recv", GLOO_TIMEOUT)
+            + "".join(_in(r, "_engine_run_backward", GLOO_TIMEOUT) for r in (3, 4)))
+    rc = _root(tmp_path, text)
+    assert (rc["rule_id"], rc["rank"], rc["ranks"]) == ("gloo.timeout", None, [1, 2, 3, 4])
+    # three waiters timed out in the one collective it was in too: it came to it after all of them
+    # (sample_logs/cpu_adhoc/late_drift_np4_r3_plain)
     text = _in(0, "all_reduce", GLOO_CLOSED) + "".join(_in(r, "all_reduce", GLOO_TIMEOUT) for r in (1, 2, 3))
     rc = _root(tmp_path, text)
-    assert (rc["rule_id"], rc["rank"], rc["ranks"]) == ("gloo.timeout", None, [1, 2, 3])
+    assert (rc["rule_id"], rc["rank"], rc["ranks"]) == ("gloo.timeout", 0, [0])
 
 
 def test_mpichs_banner_gives_the_signal_below_it_the_rank_above_it(tmp_path):

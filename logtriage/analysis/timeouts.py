@@ -179,9 +179,10 @@ def _waited_elsewhere(live: list[Finding], timeouts: list[Finding], closed: set[
     lone = next(iter(closed))
     places = {f.collective or f.last_frame for f in timeouts if f.rank is not None}
     own = {f.collective or f.last_frame for f in live if f.rank == lone and f.role is Role.CASCADE_CANDIDATE}
-    if len({f.rank for f in timeouts if f.rank is not None}) >= 3 and own and own <= places:
-        # (in their own collective, under three or more waiters: their timers all ran out, and the one
-        # rank whose did not had come to the collective later than all of them)
+    if len({f.rank for f in timeouts if f.rank is not None}) >= 3 and len(places) == 1 and own == places != {""}:
+        # (in their one named collective, under three or more waiters: their timers all ran out, and the
+        # one rank whose did not had come to it later than all of them; waiters spread over several
+        # collectives, or a wait with no frame, say nothing of who came late)
         return lone
     if "" in places or len(own) != 1 or "" in own or own & places:
         return None
