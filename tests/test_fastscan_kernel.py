@@ -21,7 +21,8 @@ DIGITS = st.integers(min_value=1, max_value=14).map(lambda n: "1234567890123456"
 shaped = st.builds(lambda open_, word, digits, close, rest: open_ + word + digits + close + rest,
                    st.sampled_from(["[", "", " "]), st.sampled_from(["rank", "Rank", "default", "trainer", "global_rank",
                                                                   "rank ", "rank=", "gpu-"]),
-                   DIGITS, st.sampled_from(["]:", "]: ", "]:[", "]", ":", " |", "] ", "/8]"]), texts)
+                   DIGITS, st.sampled_from(["]:", "]: ", "]:[", "]", ":", " |", "] ", "/8]", "/4: ", " / 12 |", "/4 step",
+                                            "/ x", "/123456789012:"]), texts)
 
 # a logging format's time, then a rank field (`2026-12-03T11:19:07.145+00:00 rank2 INFO`, `1796297283.230 r0 INFO`)
 stamped = st.builds(lambda stamp, word, digits, after, rest: stamp + word + digits + after + rest,

@@ -56,6 +56,7 @@ from logtriage.analysis.silent_first import silent_death_first
 from logtriage.analysis.stalls import (heartbeat_odd_one_out, heartbeats_before_stop, time_limit_ended_hang,
                                        watchdog_spared_rank)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
+from logtriage.analysis.waiting_lines import waiting_before_stop
 from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, output_stopped, stalled_before_stop,
                                         still_retrying, stuck_after_warning, unknown_error_line)
 from logtriage.analysis.roots import ChainLink, RankFacts, RootCause, Verdict
@@ -107,6 +108,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = stalled_before_stop(scan, root, findings, catalog)
         if root.rule.category is Category.EXTERNAL_STOP:
             root = heartbeats_before_stop(scan, keys, root, findings, catalog)
+        root = waiting_before_stop(scan, keys, root, findings, catalog)
         root = time_limit_ended_hang(scan, keys, root, findings)
     if root is not None:
         root = timer_reaped(waited_for_a_crash(refused_result_first(root, findings), findings), findings)

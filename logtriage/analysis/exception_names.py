@@ -5,6 +5,7 @@ traceback, as a repr; and names as several ranks' copies glued them, or without 
 from __future__ import annotations
 
 import re
+import sys
 
 from logtriage.demux.blocks import EXCEPTION_HEAD
 from logtriage.demux.launcher import PY_GLOG
@@ -62,3 +63,19 @@ def unglued(name: str) -> str:
 def short_type(name: str | None) -> str | None:
     """`torch.cuda.OutOfMemoryError` -> `OutOfMemoryError`."""
     return name.rsplit(".", 1)[-1] if name else None
+
+
+# `cannot import name 'Queue' from 'queue' (/job/queue.py)` (partially initialized, too): the module and its file
+_IMPORTED_FROM = re.compile(r"cannot import name '[^']+' from (?:partially initialized module )?'([A-Za-z_]\w*)' "
+                            r"(?:\(most likely due to a circular import\) )?\(([^()]+)\)")
+# where Python's own modules and installed packages live
+_LIBRARY_DIR = re.compile(r"[/\\](?:site|dist)-packages[/\\]|[/\\]lib(?:64)?[/\\]python\d|[/\\]Lib[/\\]|^<")
+
+
+def shadowing_file(text: str) -> str:
+    """The job's own file that an ImportError names where a standard-library module's should be ('' otherwise)."""
+    m = _IMPORTED_FROM.search(text)
+    if m is None or m.group(1) not in sys.stdlib_module_names or _LIBRARY_DIR.search(m.group(2)):
+        return ""
+    path = m.group(2).replace("\\", "/")
+    return path if path.endswith((f"/{m.group(1)}.py", f"/{m.group(1)}/__init__.py")) else ""

@@ -13,7 +13,7 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.childfailed import ChildFailure
-from logtriage.analysis.exception_names import exception_type_of, short_type
+from logtriage.analysis.exception_names import exception_type_of, shadowing_file, short_type
 from logtriage.analysis.findings import Finding, mask_numbers
 from logtriage.analysis.hangs import fallback_rule
 from logtriage.analysis.roots import RootCause
@@ -32,6 +32,7 @@ GENERIC_RULES = frozenset({"python.exception", "python.file_not_found", "host.fi
 _MODULE_ATTRIBUTE = re.compile(r"module '([A-Za-z_]\w*)[\w.]*' has no attribute '\w+'")
 # a file of an installed package: its top-level package in group 1
 _INSTALLED_PACKAGE = re.compile(r"[/\\](?:site|dist)-packages[/\\]([A-Za-z_]\w*)")
+_TORCH_SERIALIZATION = "torch/serialization.py"
 # a path the error names that is a checkpoint's (`'out/tmp-checkpoint-x' -> 'out/checkpoint-100'`)
 # a path named for checkpoints, or a file in torch's or safetensors' own formats (`step2.pt`)
 _CHECKPOINT_PATH = re.compile(r"'[^']*(?:checkpoint|ckpt)[^']*'|'[^']*\.(?:pt|pth|safetensors)'", re.IGNORECASE)
@@ -46,6 +47,8 @@ _MISSING_OBJECT = re.compile(r"\((?:404|NoSuchKey)\) when calling the \w+ operat
 _UNWRITABLE = re.compile(r"Permission denied|Operation not permitted|Read-only file system")
 # pickle refusing an object (a lambda, a local class, an open file): inside a save, the save's failure
 _UNPICKLABLE = re.compile(r"Can't pickle|cannot pickle|Can't get local object")
+# unpickling looked a class up where the saving program had it (its `__main__`, a module since renamed)
+_CLASS_NOT_HERE = re.compile(r"Can't get attribute '[\w.]+' on <module '")
 
 
 def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
@@ -62,6 +65,10 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
     if kind == "KeyError" and loading:
         # the loader looked up a key the file does not have (`iteration`, `state`): another format
         rule_id = "ckpt.format_mismatch"
+    elif kind == "OSError" and loading and f.last_frame == "__init__" and f.last_file.endswith(_TORCH_SERIALIZATION):
+        # torch.load's zip reader refusing the file it opened (`PyTorchFileReader`: `[Errno 22] Invalid
+        # argument` for a file cut short while it was written)
+        rule_id = "ckpt.corrupt_archive"
     elif kind in FILE_SYSTEM_ERRORS or copied or (f.checkpoint_frame and root.rule.id == "host.filesystem_error"):
         # (the file system's own errors whatever their type: torch 1.x's `RuntimeError: write(): fd N
         # failed with Input/output error`)
@@ -75,6 +82,8 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
         rule_id = "ckpt.not_found"   # an object store's 404 for the checkpoint's key
     elif kind == "ValueError" and f.checkpoint_frame and _MISSING_PATH.search(f.text):
         rule_id = "ckpt.not_found"   # the checkpointer's own check of its path (torchtune's get_path)
+    elif loading and kind == "AttributeError" and _CLASS_NOT_HERE.search(f.text):
+        rule_id = "ckpt.format_mismatch"   # a pickled whole object whose class this program does not define
     elif f.checkpoint_frame and not loading and _UNPICKLABLE.search(f.text):
         rule_id = "ckpt.save_refused"   # torch.save of a whole module holding a lambda
     else:
@@ -178,6 +187,11 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
         rule, why = catalog.get("host.filesystem_error"), (
             f"the disk filled up in `{f.last_frame}`, outside any checkpoint code (no save frame): another "
             "writer, /tmp or /dev/shm, ran out of space")
+    elif kind == "ImportError" and root.rule.id in GENERIC_RULES | {"python.module_not_found"} and (
+            shadow := shadowing_file(f.text)):
+        rule, why = catalog.get("python.module_shadowed"), (
+            f"`{shadow}` is a file of the job's own where the standard library's module of that name should be: "
+            "it hides that module from every import of it, torch's own included")
     elif kind == "EOFError" and root.rule.id == "ckpt.corrupt_archive" and f.last_frame and not f.checkpoint_frame:
         rule, why = catalog.get("python.exception"), (
             f"the EOFError is raised in `{f.last_frame}`, and no frame of its traceback saves or loads a checkpoint "

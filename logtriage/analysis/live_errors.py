@@ -14,6 +14,7 @@ from logtriage.catalog.rule import Category, Role
 from logtriage.demux.streams import StreamKind
 
 EXIT_RULE = "signal.exit_nonzero"   # a worker's exit code, and nothing else about it
+FINISHED_RULE = "context.run_finished"
 # a line saying the program carried on with a substitute ("falling back to torch.optim.AdamW")
 FALLBACK_RULE = "context.fallback"
 FALLBACK_REACH = 3   # input lines after an error within which such a line is its recovery
@@ -32,7 +33,7 @@ def live_errors(findings: list[Finding], facts: RankFacts) -> list[Finding]:
     the last attempt's."""
     live = _after_store_lost(_without_reraise_wrappers(_not_recovered(
         [f for f in findings if f.is_error and not f.is_teardown], findings)))
-    return _final_attempt(lived_through(live, facts))
+    return _final_attempt(lived_through(_thread_work_finished(live, findings, facts), facts))
 
 
 def _without_reraise_wrappers(live: list[Finding]) -> list[Finding]:
@@ -115,6 +116,22 @@ def _not_recovered(live: list[Finding], findings: list[Finding]) -> list[Finding
         FALLBACK_STREAM_REACH if m.stream == f.stream and m.stream.kind is StreamKind.RANK else FALLBACK_REACH)
         for m in marks)]
     return kept or live
+
+
+def _thread_work_finished(live: list[Finding], findings: list[Finding], facts: RankFacts) -> list[Finding]:
+    """A thread's exception (`Exception in thread uploader:`) does not end its process; where its rank
+    (for one no rank claims: every rank) then says the run finished, the work was done despite it,
+    and whatever went wrong after is not that exception's failure."""
+    finished = [f for f in findings if f.rule.id == FINISHED_RULE and f.rank is not None]
+    if not finished:
+        return live
+    kept = [f for f in live if not f.in_thread or not _finished_after(f, finished, facts)]
+    return kept if any(f.role in (Role.ROOT_CANDIDATE, Role.EITHER) for f in kept) else live
+
+
+def _finished_after(finding: Finding, finished: list[Finding], facts: RankFacts) -> bool:
+    ranks = {f.rank for f in finished if f.source == finding.source and f.line > finding.line}
+    return finding.rank in ranks if finding.rank is not None else len(ranks) >= 2 and ranks >= facts.known
 
 
 def went_on_from_every_error(findings: list[Finding], facts: RankFacts) -> bool:

@@ -21,6 +21,8 @@ from logtriage.demux.streams import StreamKind
 
 # What a rank says when its peer's socket went away: the peer left first.
 PEER_LEFT_RULES = frozenset({"gloo.connection_closed", "gloo.connection_reset"})
+# the C++ runtime's note as such a rank then aborts (`terminate called without an active exception`)
+ABORT_NOTE_RULE = "signal.terminate_no_exception"
 
 
 def peer_that_left(root: RootCause, findings: list[Finding], facts: RankFacts, catalog: Catalog) -> RootCause:
@@ -32,8 +34,8 @@ def peer_that_left(root: RootCause, findings: list[Finding], facts: RankFacts, c
     is the odd one out that stopped early (an early stop on one rank, a shorter data shard)."""
     live = [f for f in findings if f.is_error and not f.is_teardown and f.rank is not None]
     if root.rule.role is not Role.CASCADE_CANDIDATE or any(
-            f.role is not Role.EITHER and f.rule.id not in PEER_LEFT_RULES and f.stream.kind is StreamKind.RANK
-            for f in live):
+            f.role is not Role.EITHER and f.rule.id not in PEER_LEFT_RULES | {ABORT_NOTE_RULE}
+            and f.stream.kind is StreamKind.RANK for f in live):
         return root
     silent = facts.known - {f.rank for f in live}
     stopped_by_agent = {r for r in silent if facts.exit_codes.get(r) == -15}

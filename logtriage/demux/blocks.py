@@ -138,7 +138,10 @@ def _continues_traceback(text: str, state: dict) -> bool:
         # prefix (one write per traceback); bare, only NCCL's detail lines are recognisable.
         lines = state.get("message_lines", 0)
         after_last_error = state.pop("last_error", False)
-        if lines < MAX_MESSAGE_LINES and not _NEW_RECORD.match(text) and (
+        # (the C++ runtime's abort and CPython's fatal error that follow a traceback are their own blocks:
+        # `[trainer5]:terminate called after throwing ...` under the same prefix as the message)
+        if lines < MAX_MESSAGE_LINES and not _NEW_RECORD.match(text) and not NATIVE_START.match(text) \
+                and not FAULT_START.match(text) and (
                 (state.get("prefixed") and state.get("line_prefixed")) or after_last_error
                 or state.get("empty_head") or _MESSAGE_DETAIL.match(text)):
             state["message_lines"] = lines + 1

@@ -46,7 +46,7 @@ def marker(buf, c, end, found):
     (case-insensitive), trying its three patterns in order:
     1. `[ *(global[_ ])?rank *[:=#]? *(\\d{1,9}) *(/ *\\d+ *)?]`
     2. `(^|[ ,(|])(global_)?rank *[=:] *(\\d{1,9})\\b`
-    3. `^ *rank *(\\d{1,9})( *[:|\\]]| +(step|epoch|...|finished|training|...|started)\\b)` (line_marks.py's list)
+    3. `^ *rank *(\\d{1,9})( */ *\\d+)?( *[:|\\]]| +(step|epoch|...|finished|training|...|started)\\b)` (line_marks.py's list)
     (and the last ones: `(rank N)`, `> rank N` read here; `] rank N: `, `ERROR rank N: ` left to the exact path)
     Returns the rank, -1 for none, or -2 where only the exact path can tell."""
     head_end = min(end, c + MARKER_HEAD)
@@ -70,6 +70,7 @@ def marker(buf, c, end, found):
     if k + 4 <= head_end and is_rank_at(buf, k):
         value, digits, k = number(buf, skip_spaces(buf, k + 4, head_end), head_end, 9)
         if 0 < digits <= 9:
+            k = _past_world_size(buf, k, head_end)
             after = k
             k = skip_spaces(buf, k, head_end)
             if k < head_end and (buf[k] == 58 or buf[k] == 124 or buf[k] == 93):
@@ -86,6 +87,20 @@ def marker(buf, c, end, found):
         if _stamp_then_r(buf, c, head_end):
             return -2   # find_rank_marker's `<time> rank2 INFO `, `<epoch> r0 INFO `: the exact path reads it
     return value
+
+
+@njit(cache=True, nogil=True)
+def _past_world_size(buf, k, head_end):
+    """Pattern 3's optional world size after the rank (`rank 1/4: `): where it ends, or `k` without one."""
+    s = skip_spaces(buf, k, head_end)
+    if s >= head_end or buf[s] != 47:
+        return k
+    d = skip_spaces(buf, s + 1, head_end)
+    if d >= head_end or not is_digit(buf[d]):
+        return k
+    while d < head_end and is_digit(buf[d]):
+        d += 1
+    return d
 
 
 @njit(cache=True, nogil=True)

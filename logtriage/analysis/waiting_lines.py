@@ -1,0 +1,102 @@
+"""A job stopped from outside (a `timeout`'s or a scheduler's SIGTERM, a Ctrl-C) whose workers' last
+words before the stop say they wait (`waiting for the data cache /data/cache/READY`, `cache is locked
+by pid 48213 ..., waiting`, `atexit: waiting for 6 pending metric uploads`), with nothing failing
+since: the stop ended a wait that was not going to end. Where one rank's last line says it waits and
+every other rank's last line says something else, that rank is where the job stuck."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+from logtriage.analysis.findings import Finding
+from logtriage.analysis.hangs import EXIT_STALLED, fallback_rule
+from logtriage.analysis.refine import STOPPED_WHILE_WAITING
+from logtriage.analysis.roots import RootCause
+from logtriage.analysis.stopped import message_of
+from logtriage.analysis.timestamps import Stamp, parse_stamp
+from logtriage.catalog.loader import Catalog
+from logtriage.catalog.rule import Category
+from logtriage.demux.line_marks import find_rank_marker
+from logtriage.demux.split import split_glued
+from logtriage.demux.streams import StreamKey, StreamKind
+from logtriage.ingest.lines import read_lines
+from logtriage.scan_result import ScanResult
+
+WINDOW = 160   # lines read back before the stop
+WAIT_SECONDS = 30.0   # a stamped wait shorter than this when the stop came is no hang (a component stopped it)
+_WAITING = re.compile(r"\bwaiting\b|\bwaits? (?:for|on|until)\b", re.IGNORECASE)
+_WORKER_KINDS = frozenset({StreamKind.RANK, StreamKind.UNATTRIBUTED})
+
+LastLine = tuple[int, str]   # (line number, message)
+
+
+def waiting_before_stop(scan: ScanResult, keys: list[StreamKey], root: RootCause, findings: list[Finding],
+                        catalog: Catalog) -> RootCause:
+    """An external stop that ended a wait (the workers' last words), read as the hang it ended; a
+    hang at exit (hang.exit_stalled) with no rank gets the one rank still waiting."""
+    stop = root.finding
+    stopped = root.rule.category is Category.EXTERNAL_STOP
+    if stop is None or stop.source >= len(scan.sources) or not (
+            stopped or (root.rule.id == EXIT_STALLED and root.rank is None)):
+        return root
+    last, by_rank = _last_worker_lines(scan, keys, stop.source, stop.line)
+    waiting = [rank for rank, (_, text) in by_rank.items() if _WAITING.search(text)]
+    rank = waiting[0] if len(waiting) == 1 and len(by_rank) >= 2 else None
+    said = by_rank[rank] if rank is not None else last
+    if said is None or not _WAITING.search(said[1]):
+        return root
+    reasons = ((f"rank {rank}'s last line before the stop says it waits (`{said[1][:120]}`), and every other "
+                "rank's last line says something else: the job stuck where rank " + str(rank) + " waited",)
+               if rank is not None else ())
+    if not stopped:
+        return replace(root, rank=rank, ranks=(rank,), reasons=root.reasons + reasons)
+    waited = _seconds_between(parse_stamp(said[1]), stop.stamp)
+    if waited is not None and waited < WAIT_SECONDS:
+        return root   # a wait of a few seconds when the stop came: the job was stopped, it had not stuck
+    if any(f.is_error and not f.is_teardown and f.category is not Category.EXTERNAL_STOP and f.source == stop.source
+           and said[0] < f.line < stop.line for f in findings):
+        return root
+    rule = catalog.get(STOPPED_WHILE_WAITING) or fallback_rule(
+        STOPPED_WHILE_WAITING, Category.HANG, "Stopped while waiting: the run had hung")
+    return replace(root, rule=rule, rank=rank, ranks=(rank,) if rank is not None else (),
+                   confidence=min(root.confidence, 0.45), reasons=root.reasons + (
+                       f"the workers' last words before the stop (line {said[0]}: `{said[1][:120]}`) say they wait, "
+                       "and nothing failed since: the stop ended a wait that was not going to end",) + reasons)
+
+
+def _seconds_between(begun: Stamp | None, end: Stamp | None) -> float | None:
+    """Seconds from one line's time to another's: of one kind, or a bare time of day (a script's own
+    `12:13:46 INFO`) against a dated one (the launcher's), by the time of day (within a day)."""
+    if begun is None or end is None:
+        return None
+    if begun.family == end.family:
+        return end.seconds - begun.seconds
+    if begun.family == "clock" and end.family in ("glog", "cpp-glog", "iso"):
+        return (end.seconds % 86400 - begun.seconds) % 86400
+    return None
+
+
+def _last_worker_lines(scan: ScanResult, keys: list[StreamKey], source: int,
+                       end: int) -> tuple[LastLine | None, dict[int, LastLine]]:
+    """The last worker message before line `end` (a rank's or one no stream claims), and each rank's."""
+    index = scan.indexes[source]
+    numbers = list(range(max(1, end - WINDOW), end))
+    texts = read_lines(scan.sources[source], index, numbers)
+    last: LastLine | None = None
+    by_rank: dict[int, LastLine] = {}
+    for number in numbers:
+        if number - 1 >= len(index.slots):
+            break
+        key = keys[scan.slots.final(index.slots[number - 1])]
+        if key.kind not in _WORKER_KINDS:
+            continue
+        for piece in split_glued(message_of(texts.get(number, ""))):
+            if not piece.strip():
+                continue
+            marked = find_rank_marker(piece)
+            rank = key.rank if marked is None and key.kind is StreamKind.RANK else marked
+            last = (number, piece.strip())
+            if rank is not None:
+                by_rank[rank] = last
+    return last, by_rank
