@@ -37,8 +37,11 @@ def test_a_stop_that_ended_a_wait_is_a_hang_where_the_rank_waited(slug, rule, ra
 def test_a_threads_exception_its_ranks_finished_after_did_not_fail_the_run():
     # the uploader thread's TypeError (no rank prefix) comes before every rank's six steps and its
     # `training finished`: the work was done despite it
-    rc = _report("shut_atexithang_np4_r1_plain")["root_cause"]
-    assert rc["rule_id"] == "hang.exit_stalled" and "TypeError" not in (rc["exception_type"] or "")
+    report = _report("shut_atexithang_np4_r1_plain")
+    thread_error = [(f["rule_id"], f["line"]) for f in report["findings"] if "TypeError" in f["text"]]
+    assert thread_error == [("python.exception", 32)]     # found, and set aside
+    rc = report["root_cause"]
+    assert (rc["rule_id"], rc["line"]) == ("hang.exit_stalled", 59)   # the stop that ended the hang at exit
 
 
 @pytest.mark.parametrize("slug", ["imp_shadow_queue_np4_rall_plain", "imp_shadow_random_np5_rall_tee3"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 from logtriage.analysis.findings import Finding
+from logtriage.analysis.hangs import FINISHED_RULE
 from logtriage.analysis.lived_through import launcher_reports, lived_through, progress_after, ranks_by_rule
 from logtriage.analysis.roots import RankFacts
 from logtriage.analysis.timestamps import clearly_before
@@ -14,7 +15,6 @@ from logtriage.catalog.rule import Category, Role
 from logtriage.demux.streams import StreamKind
 
 EXIT_RULE = "signal.exit_nonzero"   # a worker's exit code, and nothing else about it
-FINISHED_RULE = "context.run_finished"
 # a line saying the program carried on with a substitute ("falling back to torch.optim.AdamW")
 FALLBACK_RULE = "context.fallback"
 FALLBACK_REACH = 3   # input lines after an error within which such a line is its recovery

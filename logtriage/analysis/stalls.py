@@ -179,8 +179,16 @@ def _repeat_start(texts: list) -> int:
 
 
 def _ranked_pieces(scan: ScanResult, keys: list[StreamKey], source: int, end: int):
-    """(rank, message) for each rank's message in the WINDOW lines before line `end`: a line's own
-    stream's rank, or the rank its text names; two ranks' messages glued on one line are two."""
+    """(rank, message) for each rank's message in the WINDOW lines before line `end`."""
+    for _, _, rank, piece in pieces_before(scan, keys, source, end):
+        if rank is not None:
+            yield rank, piece
+
+
+def pieces_before(scan: ScanResult, keys: list[StreamKey], source: int, end: int):
+    """(line, stream, rank, message) for each message in the WINDOW lines before line `end`: its rank is
+    the line's own stream's, or the one its text names (None for neither); two ranks' messages glued
+    on one line are two."""
     index = scan.indexes[source]
     numbers = list(range(max(1, end - WINDOW), end))
     texts = read_lines(scan.sources[source], index, numbers)
@@ -191,9 +199,7 @@ def _ranked_pieces(scan: ScanResult, keys: list[StreamKey], source: int, end: in
         own = key.rank if key.kind is StreamKind.RANK else None
         for piece in split_glued(message_of(texts.get(number, ""))):
             marked = find_rank_marker(piece)
-            rank = own if marked is None else marked
-            if rank is not None:
-                yield rank, piece
+            yield number, key, own if marked is None else marked, piece
 
 
 def _repeats_at_one_step(texts: list[tuple[int, str]]) -> bool:

@@ -174,12 +174,13 @@ def _waited_elsewhere(live: list[Finding], timeouts: list[Finding], closed: set[
     collective than every timed-out rank's (a barrier only rank 0 entered, while the others sat in
     DDP's backward): a peer of the waiting ranks in their own collective loses them the same way, unless
     three or more of them timed out there (their timers all ran out; its own had not: it came late)."""
-    if len(closed) != 1 or len({f.rank for f in timeouts if f.rank is not None}) < 2:
+    waiters = {f.rank for f in timeouts if f.rank is not None}
+    if len(closed) != 1 or len(waiters) < 2:
         return None
     lone = next(iter(closed))
     places = {f.collective or f.last_frame for f in timeouts if f.rank is not None}
     own = {f.collective or f.last_frame for f in live if f.rank == lone and f.role is Role.CASCADE_CANDIDATE}
-    if len({f.rank for f in timeouts if f.rank is not None}) >= 3 and len(places) == 1 and own == places != {""}:
+    if len(waiters) >= 3 and own == places and len(places) == 1 and "" not in places:
         # (in their one named collective, under three or more waiters: their timers all ran out, and the
         # one rank whose did not had come to it later than all of them; waiters spread over several
         # collectives, or a wait with no frame, say nothing of who came late)

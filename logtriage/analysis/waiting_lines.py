@@ -13,17 +13,13 @@ from logtriage.analysis.findings import Finding
 from logtriage.analysis.hangs import EXIT_STALLED, fallback_rule
 from logtriage.analysis.refine import STOPPED_WHILE_WAITING
 from logtriage.analysis.roots import RootCause
-from logtriage.analysis.stopped import message_of
+from logtriage.analysis.stalls import pieces_before
 from logtriage.analysis.timestamps import Stamp, parse_stamp
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
-from logtriage.demux.line_marks import find_rank_marker
-from logtriage.demux.split import split_glued
 from logtriage.demux.streams import StreamKey, StreamKind
-from logtriage.ingest.lines import read_lines
 from logtriage.scan_result import ScanResult
 
-WINDOW = 160   # lines read back before the stop
 WAIT_SECONDS = 30.0   # a stamped wait shorter than this when the stop came is no hang (a component stopped it)
 _WAITING = re.compile(r"\bwaiting\b|\bwaits? (?:for|on|until)\b", re.IGNORECASE)
 _WORKER_KINDS = frozenset({StreamKind.RANK, StreamKind.UNATTRIBUTED})
@@ -80,22 +76,10 @@ def _seconds_between(begun: Stamp | None, end: Stamp | None) -> float | None:
 def _last_worker_lines(scan: ScanResult, keys: list[StreamKey], source: int,
                        end: int) -> tuple[LastLine | None, dict[int, LastLine]]:
     """The last worker message before line `end` (a rank's or one no stream claims), and each rank's."""
-    index = scan.indexes[source]
-    numbers = list(range(max(1, end - WINDOW), end))
-    texts = read_lines(scan.sources[source], index, numbers)
     last: LastLine | None = None
     by_rank: dict[int, LastLine] = {}
-    for number in numbers:
-        if number - 1 >= len(index.slots):
-            break
-        key = keys[scan.slots.final(index.slots[number - 1])]
-        if key.kind not in _WORKER_KINDS:
-            continue
-        for piece in split_glued(message_of(texts.get(number, ""))):
-            if not piece.strip():
-                continue
-            marked = find_rank_marker(piece)
-            rank = key.rank if marked is None and key.kind is StreamKind.RANK else marked
+    for number, key, rank, piece in pieces_before(scan, keys, source, end):
+        if key.kind in _WORKER_KINDS and piece.strip():
             last = (number, piece.strip())
             if rank is not None:
                 by_rank[rank] = last
