@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from logtriage.analysis.abort_rank import launcher_named_rank
 from logtriage.analysis.childfailed import ChildFailure, parse_child_failures
 from logtriage.analysis.diverged import different_collectives_at_one_seq
+from logtriage.analysis.early_stop import stopped_early_peer
 from logtriage.analysis.environment import Environment, collect_environment
 from logtriage.analysis.exceptions import (checkpoint_io, error_file_exception, frame_reading,
                                            probe_json_without_banner, same_error_in_summary)
@@ -94,7 +95,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is not None and srun_tasks_are_nodes(scan, failures):
         root = peers_over_node_exit(root, findings)
     if root is not None and root.rule.id in PEER_LEFT_RULES:
-        root = peer_that_left(root, findings, facts, catalog)
+        root = stopped_early_peer(scan, keys, peer_that_left(root, findings, facts, catalog), facts)
     if root is not None and root.rule.role is Role.CASCADE_CANDIDATE:
         root = unique_id_host_left(root, catalog)
     if root is not None:

@@ -18,6 +18,10 @@ from logtriage.demux.blocks import NCCL_PREFIX
 from logtriage.scan_result import step_number
 
 
+# What a rank says when its peer's socket went away: the peer left first.
+PEER_LEFT_RULES = frozenset({"gloo.connection_closed", "gloo.connection_reset"})
+
+
 def all_exited_alike(first: Finding, group: list[Finding], live: list[Finding], facts: RankFacts) -> tuple[int, ...]:
     """An unprefixed exception printed more than once (the copies may be glued together: the same
     type twice on a line) while every rank exited with the same code and no rank said anything
@@ -114,6 +118,8 @@ def refine_rank(first: Finding, live: list[Finding], ranks: tuple[int, ...]) -> 
     if len(awaited) == 1 and awaited <= set(ranks):
         rank = next(iter(awaited))
         return rank, f"every rank waited in the store for rank {rank}'s address: it never published it"
+    if (after_loss := _only_rank_not_after_a_lost_peer(first, live, ranks)) is not None:
+        return after_loss
     if first.category is not Category.NUMERICAL:
         return None
     by_step = _first_step_per_rank([f for f in live if f.rule.id == first.rule.id and f.rank is not None])
@@ -132,6 +138,25 @@ def refine_rank(first: Finding, live: list[Finding], ranks: tuple[int, ...]) -> 
     sign = earliest(signs)
     return sign.rank, (f"rank {sign.rank} showed it on its own first (line {sign.line}: "
                        f"{sign.text.strip()[:80]}); the others' error is its spread")
+
+
+def _only_rank_not_after_a_lost_peer(first: Finding, live: list[Finding],
+                                     ranks: tuple[int, ...]) -> tuple[int, str] | None:
+    """Ranks sharing one error, all but one of which lost a peer before their copy of it (a caught
+    `Connection closed by peer` a trainer logged and went on from): they met the error because that
+    one rank's went first and left them; the one rank whose copy no lost peer came before is the
+    culprit."""
+    own: dict[int, int] = {}
+    for f in live:
+        if f.signature == first.signature and f.rank in ranks:
+            own[f.rank] = min(own.get(f.rank, f.seq), f.seq)
+    lost = {f.rank for f in live if f.rule.id in PEER_LEFT_RULES and f.rank in own and f.seq < own[f.rank]}
+    alone = set(own) - lost
+    if len(own) < 3 or len(alone) != 1:
+        return None
+    rank = next(iter(alone))
+    return rank, (f"ranks {', '.join(map(str, sorted(lost)))} lost a peer before their copy of the error; rank {rank}'s "
+                  "came with no loss before it: the others met it after rank " + str(rank) + " left them")
 
 
 def _first_step_per_rank(findings: list[Finding]) -> dict[int, int]:

@@ -10,7 +10,7 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
-from logtriage.analysis.rank_evidence import odd_one_out
+from logtriage.analysis.rank_evidence import PEER_LEFT_RULES, odd_one_out
 from logtriage.analysis.hangs import fallback_rule
 from logtriage.analysis.signal_readings import exit_rule
 from logtriage.analysis.roots import RankFacts, RootCause, earliest
@@ -19,8 +19,6 @@ from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role
 from logtriage.demux.streams import StreamKind
 
-# What a rank says when its peer's socket went away: the peer left first.
-PEER_LEFT_RULES = frozenset({"gloo.connection_closed", "gloo.connection_reset"})
 # the C++ runtime's note as such a rank then aborts (`terminate called without an active exception`)
 ABORT_NOTE_RULE = "signal.terminate_no_exception"
 

@@ -23,6 +23,9 @@ from logtriage.scan_result import ScanResult
 WAIT_SECONDS = 30.0   # a stamped wait shorter than this when the stop came is no hang (a component stopped it)
 _WAITING = re.compile(r"\bwaiting\b|\bwaits? (?:for|on|until)\b", re.IGNORECASE)
 _WORKER_KINDS = frozenset({StreamKind.RANK, StreamKind.UNATTRIBUTED})
+# since the wait began, these are no failure of their own: the stop, and a watchdog's report of the
+# stall (faulthandler's `Timeout (0:00:10)!` stacks) that says the wait went on
+_NOT_FAILURES = frozenset({Category.EXTERNAL_STOP, Category.HANG})
 
 LastLine = tuple[int, str]   # (line number, message)
 
@@ -50,7 +53,7 @@ def waiting_before_stop(scan: ScanResult, keys: list[StreamKey], root: RootCause
     waited = _seconds_between(parse_stamp(said[1]), stop.stamp)
     if waited is not None and waited < WAIT_SECONDS:
         return root   # a wait of a few seconds when the stop came: the job was stopped, it had not stuck
-    if any(f.is_error and not f.is_teardown and f.category is not Category.EXTERNAL_STOP and f.source == stop.source
+    if any(f.is_error and not f.is_teardown and f.category not in _NOT_FAILURES and f.source == stop.source
            and said[0] < f.line < stop.line for f in findings):
         return root
     rule = catalog.get(STOPPED_WHILE_WAITING) or fallback_rule(
