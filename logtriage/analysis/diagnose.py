@@ -13,6 +13,7 @@ from logtriage.analysis.early_stop import stopped_early_peer
 from logtriage.analysis.environment import Environment, collect_environment
 from logtriage.analysis.exceptions import (checkpoint_io, error_file_exception, frame_reading,
                                            probe_json_without_banner, same_error_in_summary)
+from logtriage.analysis.ext_build import own_source_compile_error
 from logtriage.analysis.fallback_roots import cut_traceback, exit_only_root, unrecognised_exception
 from logtriage.analysis.findings import Finding, resolve_findings, srun_tasks_are_nodes
 from logtriage.analysis.hangs import (
@@ -38,6 +39,7 @@ from logtriage.analysis.refine import (
     unique_id_host_left,
 )
 from logtriage.analysis.live_errors import went_on_from_every_error
+from logtriage.analysis.rpc_origin import remote_origin
 from logtriage.analysis.signal_readings import (
     agent_sigkills,
     hangup_forwarded,
@@ -54,10 +56,10 @@ from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_nam
                                               oom_on_shared_gpu, spawn_report_yields, timer_reaped, unresolved_host,
                                               waited_for_a_crash, writer_behind_readers)
 from logtriage.analysis.silent_first import silent_death_first
-from logtriage.analysis.stalls import (heartbeat_odd_one_out, heartbeats_before_stop, time_limit_ended_hang,
-                                       watchdog_spared_rank)
+from logtriage.analysis.stalls import (behind_ranks_ended, heartbeat_odd_one_out, heartbeats_before_stop,
+                                       time_limit_ended_hang, watchdog_spared_rank)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
-from logtriage.analysis.waiting_lines import waiting_before_stop
+from logtriage.analysis.waiting_lines import stopped_in_startup, waiting_before_stop
 from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, output_stopped, stalled_before_stop,
                                         still_retrying, stuck_after_warning, unknown_error_line)
 from logtriage.analysis.roots import ChainLink, RankFacts, RootCause, Verdict
@@ -99,6 +101,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is not None and root.rule.role is Role.CASCADE_CANDIDATE:
         root = unique_id_host_left(root, catalog)
     if root is not None:
+        root = remote_origin(root, findings, facts)
         ray = scan.facts.ray_workers or any(".ray_" in f.rule.id for f in findings)   # Ray: a GPU per worker
         root = launcher_named_rank(root, findings)
         root = oom_device_rank(root, scan.multi_node or any(k.host for k in keys), ray)
@@ -109,14 +112,15 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = stalled_before_stop(scan, root, findings, catalog)
         if root.rule.category is Category.EXTERNAL_STOP:
             root = heartbeats_before_stop(scan, keys, root, findings, catalog)
-        root = waiting_before_stop(scan, keys, root, findings, catalog)
+        root = stopped_in_startup(scan, waiting_before_stop(scan, keys, root, findings, catalog), findings, facts,
+                                  catalog)
         root = time_limit_ended_hang(scan, keys, root, findings)
     if root is not None:
         root = timer_reaped(waited_for_a_crash(refused_result_first(root, findings), findings), findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
         root = sigkill_on_gpu_job(root, findings, catalog)
     if root is not None:
-        root = unresolved_host(root, findings)
+        root = own_source_compile_error(scan, unresolved_host(root, findings), catalog)
     if root is not None and root.rule.id == "nccl.invalid_rank":
         root = bootstrap_layout_mismatch(root, catalog)
     if root is not None:
@@ -174,7 +178,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
             finished = any(f.rule.id == FINISHED_RULE for f in findings)   # its NCCL teardown is no stall
             # the launcher's own word that every worker exited 0: uneven progress lines are no hang
             all_done = any(f.rule.id == FINISHED_RULE and _LAUNCHER_SUCCESS.search(f.text) for f in findings)
-            root = (None if all_done else hang_from_progress(facts, catalog)) or (
+            uneven = None if all_done else behind_ranks_ended(scan, keys, hang_from_progress(facts, catalog), facts)
+            root = uneven or (
                 None if finished else stalled_in_nccl_init(scan, findings, facts, catalog))
         if root is not None:
             verdict = Verdict.HUNG

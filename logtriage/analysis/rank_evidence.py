@@ -155,8 +155,8 @@ def _only_rank_not_after_a_lost_peer(first: Finding, live: list[Finding],
     if len(own) < 3 or len(alone) != 1:
         return None
     rank = next(iter(alone))
-    return rank, (f"ranks {', '.join(map(str, sorted(lost)))} lost a peer before their copy of the error; rank {rank}'s "
-                  "came with no loss before it: the others met it after rank " + str(rank) + " left them")
+    return rank, (f"ranks {', '.join(map(str, sorted(lost)))} lost a peer before their copy of the error; "
+                  f"rank {rank}'s came with no loss before it: the others met it after rank {rank} left them")
 
 
 def _first_step_per_rank(findings: list[Finding]) -> dict[int, int]:

@@ -30,7 +30,23 @@ def one_reading_per_event(findings: list[Finding], scan: ScanResult) -> list[Fin
     (and the tracebacks logged under them) marked as gone on from."""
     findings = _logged_going_on(findings, scan.blocks, scan.block_kinds)
     findings = _before_the_handler(findings, scan.block_handling_lines, scan.block_handler_calls_failed)
+    findings = _build_reraised(findings)
     return _logged_then_said(_message_wrapped_below(_best_per_traceback(findings, scan.block_kinds)))
+
+
+# torch.utils.cpp_extension's `raise RuntimeError(f"Error building extension '{name}': {compiler output}")
+# from` ninja's CalledProcessError: the RuntimeError is what the build raised, with the compiler's words
+_NINJA_FAILED = re.compile(r"CalledProcessError: Command '\['ninja'")
+_BUILD_RAISED = "Error building extension '"
+
+
+def _build_reraised(findings: list[Finding]) -> list[Finding]:
+    """In a chained traceback holding both, ninja's CalledProcessError yields to the extension build's
+    RuntimeError raised from it (the cause is how the build ran, the RuntimeError what failed)."""
+    raised = {(f.source, f.block_id) for f in findings if f.block_id >= 0 and _BUILD_RAISED in f.text}
+    if not raised:
+        return findings
+    return [f for f in findings if not ((f.source, f.block_id) in raised and _NINJA_FAILED.search(f.text))]
 
 
 _GOING_ON = re.compile(r"\b(?:continu(?:e|es|ing)|retry(?:ing)?|will retry|skipp(?:ing|ed)|fall(?:ing)? ?back"

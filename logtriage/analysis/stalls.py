@@ -5,6 +5,7 @@ rank but one, the one the others were waiting for."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding, mask_numbers
@@ -217,3 +218,27 @@ def _odd_heartbeat(stalled: dict[int, list]) -> tuple[int | None, str]:
     common = next(text for r, text in said.items() if r != rank)
     return rank, (f"rank {rank}'s heartbeat (`{said[rank]}`) differs from every other rank's (`{common}`): "
                   f"the others waited for rank {rank}")
+
+
+NO_PROGRESS_RULE = "hang.no_progress"
+# a rank's last words after its last step: it left its loop by design (a shorter shard under a Join
+# context manager, an early stop it announced), not stuck: `rank 3 joined after 5 steps`, `rank 3 done`
+_ENDED_ITS_LOOP = re.compile(r"\b(?:done|finished|completed?|joined|exiting)\b", re.IGNORECASE)
+
+
+def behind_ranks_ended(scan: ScanResult, keys: list[StreamKey], root: RootCause | None,
+                       facts: RankFacts) -> RootCause | None:
+    """A hang read from uneven progress (hang.no_progress) is none when each rank behind said, in its
+    last line after its last progress line, that it was done: it ended its loop on purpose."""
+    if root is None or root.rule.id != NO_PROGRESS_RULE or not root.ranks:
+        return root
+    for rank in root.ranks:
+        span = next((s for k, s in facts.last_progress.items() if k.kind is StreamKind.RANK and k.rank == rank), None)
+        if span is None:
+            return root
+        source, _, last, _ = span
+        said = [piece for number, _, who, piece in pieces_before(scan, keys, source, last + WINDOW)
+                if number > last and who == rank and piece.strip()]
+        if not said or not _ENDED_ITS_LOOP.search(said[-1]):
+            return root
+    return None

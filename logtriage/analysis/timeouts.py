@@ -25,12 +25,21 @@ def named_culprit(live: list[Finding]) -> int | None:
     return None
 
 
+RPC_TIMEOUT_RULE = "dist.rpc_timeout"
+
+
 def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankFacts,
                       findings: list[Finding]) -> RootCause:
     """`live`: the errors still standing; `findings`: every finding (a flight recorder's dump notice,
     which is no error, still carries a rank's last enqueued work)."""
     first = earliest(timeouts)
     timed_out = {f.rank for f in timeouts if f.rank is not None}
+    if all(f.rule.id == RPC_TIMEOUT_RULE for f in timeouts):
+        # a point-to-point call: the ranks that did not time out were not in it, and the message
+        # does not name the worker it called
+        return RootCause(first.rule, first, None, (), 0.4, (
+            "an RPC timed out on " + (f"rank(s) {', '.join(map(str, sorted(timed_out)))}" if timed_out else "a caller")
+            + "; the worker it called, which did not answer, is not named in the log",))
     # a rank whose wait ended on a peer's closed connection was in the collective too, unless it
     # had stepped past the waiting ranks (it skipped their collective and failed in a later one)
     peer_closed = {f.rank for f in live if f.rank is not None and f.role is Role.CASCADE_CANDIDATE

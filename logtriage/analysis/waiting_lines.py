@@ -2,7 +2,9 @@
 words before the stop say they wait (`waiting for the data cache /data/cache/READY`, `cache is locked
 by pid 48213 ..., waiting`, `atexit: waiting for 6 pending metric uploads`), with nothing failing
 since: the stop ended a wait that was not going to end. Where one rank's last line says it waits and
-every other rank's last line says something else, that rank is where the job stuck."""
+every other rank's last line says something else, that rank is where the job stuck. A job stopped by
+a SIGTERM or Ctrl-C half a minute or more after the launcher started it, before any rank printed a
+single step and with nothing failed, never got through its start-up: it hung there."""
 
 from __future__ import annotations
 
@@ -12,16 +14,21 @@ from dataclasses import replace
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.hangs import EXIT_STALLED, fallback_rule
 from logtriage.analysis.refine import STOPPED_WHILE_WAITING
-from logtriage.analysis.roots import RootCause
+from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.stalls import pieces_before
 from logtriage.analysis.timestamps import Stamp, parse_stamp
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
 from logtriage.demux.streams import StreamKey, StreamKind
+from logtriage.ingest.lines import read_lines
 from logtriage.scan_result import ScanResult
 
 WAIT_SECONDS = 30.0   # a stamped wait shorter than this when the stop came is no hang (a component stopped it)
 _WAITING = re.compile(r"\bwaiting\b|\bwaits? (?:for|on|until)\b", re.IGNORECASE)
+STARTUP_SECONDS = 30.0   # from the launcher's start to the stop, no step printed: start-up had stuck
+# the launcher's words for the signal it got: SIGTERM (a `timeout`, a scheduler) or SIGINT (Ctrl-C);
+# a SIGHUP is a closed terminal, which says nothing of the job
+_STOPPED_BY = re.compile(r"Received (?:15|2|SIGTERM|SIGINT) death signal|got signal: (?:15|2)\b")
 _WORKER_KINDS = frozenset({StreamKind.RANK, StreamKind.UNATTRIBUTED})
 # since the wait began, these are no failure of their own: the stop, and a watchdog's report of the
 # stall (faulthandler's `Timeout (0:00:10)!` stacks) that says the wait went on
@@ -87,3 +94,29 @@ def _last_worker_lines(scan: ScanResult, keys: list[StreamKey], source: int,
             if rank is not None:
                 by_rank[rank] = last
     return last, by_rank
+
+
+def stopped_in_startup(scan: ScanResult, root: RootCause, findings: list[Finding], facts: RankFacts,
+                       catalog: Catalog) -> RootCause:
+    """An external stop, STARTUP_SECONDS or more after the launcher's first stamped line, of a job
+    none of whose ranks printed a step and nothing of which failed: it hung in its start-up
+    (a rendezvous or an init that never completed, a wait on a file or a lock)."""
+    stop = root.finding
+    if (root.rule.category is not Category.EXTERNAL_STOP or stop is None or stop.stamp is None
+            or stop.source >= len(scan.sources) or facts.last_step or not facts.known
+            or not any(_STOPPED_BY.search(f.text) for f in findings
+                       if f.category is Category.EXTERNAL_STOP and f.source == stop.source)):
+        return root
+    if any(f.is_error and not f.is_teardown and f.category is not Category.EXTERNAL_STOP for f in findings):
+        return root
+    head = read_lines(scan.sources[stop.source], scan.indexes[stop.source], list(range(1, min(stop.line, 40))))
+    begun = next((s for n in sorted(head) if (s := parse_stamp(head[n])) is not None
+                  and s.family == stop.stamp.family), None)
+    if begun is None or stop.stamp.seconds - begun.seconds < STARTUP_SECONDS:
+        return root
+    rule = catalog.get(STOPPED_WHILE_WAITING) or fallback_rule(
+        STOPPED_WHILE_WAITING, Category.HANG, "Stopped while waiting: the run had hung")
+    return replace(root, rule=rule, rank=None, ranks=(), confidence=min(root.confidence, 0.35), reasons=root.reasons + (
+        f"the launcher started the job {stop.stamp.seconds - begun.seconds:.0f} s before the stop, and no rank "
+        "printed a single step and nothing failed: start-up never completed (a rendezvous, an init, a wait on a "
+        "file or a lock), and the stop ended that hang",))

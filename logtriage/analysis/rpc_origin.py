@@ -1,0 +1,54 @@
+"""An error raised inside a function called over torch.distributed.rpc happened on the worker that
+ran it: that worker prints it under `On WorkerInfo(id=N, name=...)` and usually goes on serving,
+while the caller re-raises the text and dies (it is torchrun's Root Cause, and an abort may follow).
+A distributed backward says `Error on Node N:` the same way. Worker N (its RPC rank, the rank
+torchrun gave it in these jobs) is where the failure started."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+from logtriage.analysis.findings import Finding
+from logtriage.analysis.roots import RankFacts, RootCause, earliest
+from logtriage.catalog.rule import Category
+
+ORIGIN_RULE = "context.rpc_remote_origin"
+# the roots a remote error shows as on the caller: its re-raise, or how the caller then ended
+_CALLER_ENDS = frozenset({Category.PYTHON_EXCEPTION, Category.CRASH_SIGNAL, Category.UNKNOWN})
+_REMOTE_MARKS = ("On WorkerInfo(id=", "Error on Node ")
+# the worker named in a line: the rule's own capture, or (where an exception rule took the line
+# first: the caller's re-raise) the same marks read from its text
+_NAMED_WORKER = re.compile(r"On WorkerInfo\(id=(\d+), name=[^,)]*\):|\bError on Node (\d+): ")
+
+
+def remote_origin(root: RootCause, findings: list[Finding], facts: RankFacts) -> RootCause:
+    """A root that is a remote call's error (or the caller's end after it) moves to the one worker
+    the RPC layer names as where it raised, with that worker's own exception where it printed one."""
+    origins = [f for f in findings if f.rule.id == ORIGIN_RULE or any(mark in f.text for mark in _REMOTE_MARKS)]
+    named = {int(m.group(1) or m.group(2)) for f in origins if (m := _NAMED_WORKER.search(f.text))}
+    if len(named) != 1 or root.rule.category not in _CALLER_ENDS:
+        return root
+    worker = next(iter(named))
+    if (facts.known and worker not in facts.known) or any(
+            f.rank is not None and f.rank != worker for f in origins if not _is_echo(f)):
+        return root    # the worker's own print sits on another rank's stream: the id is no rank here
+    first = earliest(origins)
+    own = [f for f in findings if f.category is Category.PYTHON_EXCEPTION and f.rule.id != ORIGIN_RULE and f.is_error
+           and f.rank in (None, worker) and f.source == first.source and f.line >= first.line
+           and not any(mark in f.text for mark in _REMOTE_MARKS)]
+    chosen = earliest(own) if own else next((f for f in findings if f.category is Category.PYTHON_EXCEPTION
+                                              and f.rule.id != ORIGIN_RULE and f.is_error
+                                              and any(mark in f.text for mark in _REMOTE_MARKS)), None)
+    if chosen is None or (root.rank == worker and root.finding is chosen):
+        return root
+    return RootCause(chosen.rule, replace(chosen, rank=worker), worker, (worker,), min(root.confidence, 0.6),
+                     root.reasons + (
+                         f"the error was raised inside a function called over torch.distributed.rpc on worker {worker} "
+                         f"(line {first.line}: `{first.text.strip()[:100]}`); the caller only re-raised it",))
+
+
+def _is_echo(finding: Finding) -> bool:
+    """The caller's re-raise of the remote text (the mark inside its own exception's message), not
+    the worker's own print of it."""
+    return not finding.text.lstrip().startswith("On WorkerInfo(")
