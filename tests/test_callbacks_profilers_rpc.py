@@ -119,3 +119,11 @@ def test_a_rank_that_said_it_joined_early_under_join_is_no_hang():
     # `done`, every rank exits 0 (no launcher summary)
     report = _report("unev_join_ok_np5_rnone_tee3")
     assert report["verdict"] == "ok" and report["root_cause"] is None
+
+
+def test_a_specific_reading_of_a_remote_error_gets_the_rank_of_the_worker_named():
+    # a public paste (pytorch/tutorials#1619): the remote exception printed under `On WorkerInfo(id=0,
+    # name=trainer0):` is CUDA's invalid device ordinal; no line carries a rank prefix
+    rc = triage([str(SAMPLES.parent / "public61" / "tutorials1619_rpc_ddp_trainer0_invalid_device_ordinal.log")]) \
+        .to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("cuda.invalid_device_ordinal", "device_assignment", 0)

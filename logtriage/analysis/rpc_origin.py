@@ -27,13 +27,17 @@ def remote_origin(root: RootCause, findings: list[Finding], facts: RankFacts) ->
     the RPC layer names as where it raised, with that worker's own exception where it printed one."""
     origins = [f for f in findings if f.rule.id == ORIGIN_RULE or any(mark in f.text for mark in _REMOTE_MARKS)]
     named = {int(m.group(1) or m.group(2)) for f in origins if (m := _NAMED_WORKER.search(f.text))}
-    if len(named) != 1 or root.rule.category not in _CALLER_ENDS:
+    if len(named) != 1 or (root.rule.category not in _CALLER_ENDS and root.rank is not None):
         return root
     worker = next(iter(named))
     if (facts.known and worker not in facts.known) or any(
             f.rank is not None and f.rank != worker for f in origins if not _is_echo(f)):
         return root    # the worker's own print sits on another rank's stream: the id is no rank here
     first = earliest(origins)
+    why = (f"the error was raised inside a function called over torch.distributed.rpc on worker {worker} "
+           f"(line {first.line}: `{first.text.strip()[:100]}`)")
+    if root.rule.category not in _CALLER_ENDS:   # a specific reading of the remote error: only its rank was missing
+        return replace(root, rank=worker, ranks=(worker,), reasons=root.reasons + (why,))
     own = [f for f in findings if f.category is Category.PYTHON_EXCEPTION and f.rule.id != ORIGIN_RULE and f.is_error
            and f.rank in (None, worker) and f.source == first.source and f.line >= first.line
            and not any(mark in f.text for mark in _REMOTE_MARKS)]
@@ -43,9 +47,7 @@ def remote_origin(root: RootCause, findings: list[Finding], facts: RankFacts) ->
     if chosen is None or (root.rank == worker and root.finding is chosen):
         return root
     return RootCause(chosen.rule, replace(chosen, rank=worker), worker, (worker,), min(root.confidence, 0.6),
-                     root.reasons + (
-                         f"the error was raised inside a function called over torch.distributed.rpc on worker {worker} "
-                         f"(line {first.line}: `{first.text.strip()[:100]}`); the caller only re-raised it",))
+                     root.reasons + (why + "; the caller only re-raised it",))
 
 
 def _is_echo(finding: Finding) -> bool:
