@@ -127,3 +127,32 @@ def test_a_specific_reading_of_a_remote_error_gets_the_rank_of_the_worker_named(
     rc = triage([str(SAMPLES.parent / "public61" / "tutorials1619_rpc_ddp_trainer0_invalid_device_ordinal.log")]) \
         .to_dict()["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("cuda.invalid_device_ordinal", "device_assignment", 0)
+
+
+def test_a_stop_after_the_ranks_progress_drifted_apart_is_a_hang_at_the_odd_rank():
+    # rank 3 accumulates under no_sync() for good and runs on to step 6; ranks 0-2 wait in step 1's all-reduce
+    # (a 1800 s timeout) until `timeout 40` stops torchrun
+    report = _report("ackpt_nosyncnever_np4_r3_hang")
+    rc = report["root_cause"]
+    assert (report["verdict"], rc["rule_id"], rc["category"], rc["rank"]) == (
+        "hung", "hang.stopped_while_waiting", "hang", 3)
+
+
+@pytest.mark.parametrize("slug, rank", [
+    # rank 2's start line says `names ('tp', 'dp')`, every other rank's `names ('dp', 'tp')` (two of them glued on
+    # one line); ranks 2 and 3 time out in the tensor-parallel scatter, 0 and 1 lose their peer
+    ("dten_dimswap_np4_r2_plain", 2),
+    # the same under pdsh-style `worker-K: ` prefixes, two agents of three ranks
+    ("dten_dimswap_np6_r4_pdsh2", 4),
+])
+def test_a_timeout_naming_no_rank_goes_to_the_rank_whose_start_line_differs(slug, rank):
+    rc = _report(slug)["root_cause"]
+    assert (rc["category"], rc["rank"]) == ("collective_timeout", rank)
+    assert any("start-up line" in reason for reason in rc["reasons"])
+
+
+def test_start_lines_glued_on_one_line_are_each_ranks_own():
+    from logtriage.analysis.odd_start import _own_lines
+    assert _own_lines(None, "rank 0 world 4 names ('dp', 'tp')rank 3 world 4 names ('dp', 'tp')") == [
+        (0, "rank 0 world 4 names ('dp', 'tp')"), (3, "rank 3 world 4 names ('dp', 'tp')")]
+    assert _own_lines(2, "world 4 ready") == [(2, "world 4 ready")]

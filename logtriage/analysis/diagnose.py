@@ -24,6 +24,7 @@ from logtriage.analysis.hangs import (
     world_incomplete,
 )
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid, shared_gpu
+from logtriage.analysis.odd_start import odd_start_rank
 from logtriage.analysis.recovered import (GROUP_SUCCEEDED, caught_then_finished, relaunched_then_finished,
                                           restarted_then_finished)
 from logtriage.analysis.rank_facts import first_progress, merge_stats, rank_facts
@@ -59,7 +60,7 @@ from logtriage.analysis.silent_first import silent_death_first
 from logtriage.analysis.stalls import (behind_ranks_ended, heartbeat_odd_one_out, heartbeats_before_stop,
                                        time_limit_ended_hang, watchdog_spared_rank)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
-from logtriage.analysis.waiting_lines import stopped_in_startup, waiting_before_stop
+from logtriage.analysis.waiting_lines import stopped_in_startup, stopped_with_uneven_progress, waiting_before_stop
 from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, output_stopped, stalled_before_stop,
                                         still_retrying, stuck_after_warning, unknown_error_line)
 from logtriage.analysis.roots import ChainLink, RankFacts, RootCause, Verdict
@@ -114,6 +115,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
             root = heartbeats_before_stop(scan, keys, root, findings, catalog)
         root = stopped_in_startup(scan, waiting_before_stop(scan, keys, root, findings, catalog), findings, facts,
                                   catalog)
+        root = stopped_with_uneven_progress(scan, root, findings, facts, catalog)
         root = time_limit_ended_hang(scan, keys, root, findings)
     if root is not None:
         root = timer_reaped(waited_for_a_crash(refused_result_first(root, findings), findings), findings)
@@ -152,7 +154,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = teardown_only(findings)
     root = shared_gpu(root, findings, catalog)
     if root is not None:
-        root = stopped_while_waiting(root, findings, _interrupted_frames(scan), catalog)
+        root = odd_start_rank(scan, keys, stopped_while_waiting(root, findings, _interrupted_frames(scan), catalog),
+                              facts)
     verdict = Verdict.FAILED if root is not None else Verdict.OK
     if root is not None and (root.rule.id == STOPPED_WHILE_WAITING or root.rule.stuck):
         verdict = Verdict.HUNG

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.hangs import EXIT_STALLED, fallback_rule
-from logtriage.analysis.refine import STOPPED_WHILE_WAITING
+from logtriage.analysis.refine import STOPPED_WHILE_WAITING, at_the_odd_step
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.stalls import pieces_before
 from logtriage.analysis.timestamps import Stamp, parse_stamp
@@ -120,3 +120,31 @@ def stopped_in_startup(scan: ScanResult, root: RootCause, findings: list[Finding
         f"the launcher started the job {stop.stamp.seconds - begun.seconds:.0f} s before the stop, and no rank "
         "printed a single step and nothing failed: start-up never completed (a rendezvous, an init, a wait on a "
         "file or a lock), and the stop ended that hang",))
+
+
+UNEVEN_STEPS = 2   # progress this many steps apart between ranks when the stop came: they no longer moved together
+
+
+def stopped_with_uneven_progress(scan: ScanResult, root: RootCause, findings: list[Finding], facts: RankFacts,
+                                 catalog: Catalog) -> RootCause:
+    """An external stop (SIGTERM, Ctrl-C) with nothing failed, when every rank printed progress and
+    their last steps lie UNEVEN_STEPS or more apart: ranks that train together in lockstep had
+    stopped moving together, some waiting in a collective the others no longer called. The stop
+    ended that hang; the one rank whose step differs from all the others' went its own way."""
+    stop = root.finding
+    steps = facts.last_step
+    if (root.rule.category is not Category.EXTERNAL_STOP or stop is None or len(facts.known) < 2
+            or not facts.known <= steps.keys() or max(steps.values()) - min(steps.values()) < UNEVEN_STEPS
+            or not any(_STOPPED_BY.search(f.text) for f in findings
+                       if f.category is Category.EXTERNAL_STOP and f.source == stop.source)
+            or any(f.is_error and not f.is_teardown and f.category is not Category.EXTERNAL_STOP for f in findings)):
+        return root
+    rule = catalog.get(STOPPED_WHILE_WAITING) or fallback_rule(
+        STOPPED_WHILE_WAITING, Category.HANG, "Stopped while waiting: the run had hung")
+    hung = replace(root, rule=rule, rank=None, ranks=(), confidence=min(root.confidence, 0.4), reasons=root.reasons + (
+        f"no error, and the ranks' last progress lines lie {max(steps.values()) - min(steps.values())} steps apart "
+        f"(steps {min(steps.values())} to {max(steps.values())}) when the stop came: they had stopped moving together, "
+        "and the stop ended the wait",))
+    return at_the_odd_step(hung, facts, 0.4, (
+        "rank {rank}'s last progress line is step {step}, every other rank's step {others}: it went its own way "
+        "(a collective skipped or added), and the others waited for it"))

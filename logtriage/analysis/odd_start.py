@@ -1,0 +1,53 @@
+"""Ranks that start alike print alike: `rank 2 world 4 mesh (2, 2) names ('dp', 'tp')` on every rank
+but one, whose line says `names ('tp', 'dp')` or `samples 40 batches 5` where the others say 56 and
+7. When every rank timed out or the job hung and no rank is named, the one rank whose start-up
+words (its own rank number aside) differ from all the others', which agree, went its own way."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+from logtriage.analysis.rank_evidence import odd_one_out
+from logtriage.analysis.roots import RankFacts, RootCause
+from logtriage.analysis.stalls import pieces_before
+from logtriage.catalog.rule import Category
+from logtriage.demux.streams import StreamKey
+from logtriage.scan_result import ScanResult, step_number
+
+HEAD = 160          # lines of the input read for each rank's first line
+_OWN_RANK = re.compile(r"\b(?:rank|RANK|Rank)[ =:]*(\d+)")
+_HOST = re.compile(r"^[\w.-]+: (?=\S)")     # pdsh's `worker-1: ` before a line
+_NOT_START = re.compile(r"Traceback|^File \"|Error\b|Warning\b|^\W")
+_UNNAMED = (Category.COLLECTIVE_TIMEOUT, Category.HANG)
+
+
+def odd_start_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause, facts: RankFacts) -> RootCause:
+    """A timeout or hang with no rank moves to the one rank whose first line naming itself differs."""
+    if root.rank is not None or root.rule.category not in _UNNAMED or len(facts.known) < 3 or not scan.sources:
+        return root
+    said: dict[int, str] = {}
+    for _, _, rank, piece in pieces_before(scan, keys, 0, HEAD + 1):
+        for who, text in _own_lines(rank, _HOST.sub("", piece.strip())):
+            if (who is not None and step_number(text) is None and not _NOT_START.search(text)
+                    and _OWN_RANK.match(text)):   # a line that starts by naming its rank: the script's own words
+                said.setdefault(who, _OWN_RANK.sub("rank #", text))
+    if set(said) != set(facts.known):
+        return root
+    rank = odd_one_out(said)
+    if rank is None:
+        return root
+    line = said[rank]
+    return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.35), reasons=root.reasons + (
+        f"rank {rank}'s start-up line (`{line[:100]}`) differs from every other rank's, which agree: it was set up "
+        "its own way, and the others waited on it",))
+
+
+def _own_lines(rank: int | None, text: str) -> list[tuple[int | None, str]]:
+    """A line as (rank, text) pieces: two ranks' start lines glued on one line (`... ('dp', 'tp')rank 3 world 4
+    ...`) are two, each the rank its own `rank N` names."""
+    marks = list(_OWN_RANK.finditer(text))
+    if len(marks) < 2 or marks[0].start() != 0:
+        return [(rank, text)]
+    cuts = [m.start() for m in marks] + [len(text)]
+    return [(int(m.group(1)), text[a:b].strip()) for m, a, b in zip(marks, cuts, cuts[1:])]
