@@ -17,8 +17,9 @@ from logtriage.scan_result import ScanResult, step_number
 
 HEAD = 160          # lines of the input read for each rank's first line
 _OWN_RANK = re.compile(r"\b(?:rank|RANK|Rank)[ =:]*(\d+)")
-_HOST = re.compile(r"^[\w.-]+: (?=\S)")     # pdsh's `worker-1: ` before a line
-_NOT_START = re.compile(r"Traceback|^File \"|Error\b|Warning\b|^\W")
+# pdsh's `worker-1: ` before a line (lines read back keep it: the demuxer's dialect is not kept with the scan)
+_HOST = re.compile(r"^[\w.-]+: (?=\S)")
+_NOT_START = re.compile(r"Traceback|Error\b|Warning\b")   # a rank's error or warning, not how it started
 _UNNAMED = (Category.COLLECTIVE_TIMEOUT, Category.HANG)
 
 

@@ -203,6 +203,12 @@ STOPPED_RULES = frozenset({"python.keyboard_interrupt", "python.traceback_cut"})
 STOPPED_WHILE_WAITING = "hang.stopped_while_waiting"
 
 
+def stopped_while_waiting_rule(catalog: Catalog):
+    """The rule of a stop that ended a hang (the catalog's, or a stand-in when a user's catalog lacks it)."""
+    return catalog.get(STOPPED_WHILE_WAITING) or fallback_rule(
+        STOPPED_WHILE_WAITING, Category.HANG, "Stopped while waiting: the run had hung")
+
+
 def stopped_while_waiting(root: RootCause, findings: list[Finding], interrupted_frames: list[str],
                           catalog: Catalog) -> RootCause:
     """A Ctrl-C (or a traceback the paste cut short) whose innermost frame is a wait (a launcher in
@@ -222,8 +228,7 @@ def stopped_while_waiting(root: RootCause, findings: list[Finding], interrupted_
         (name for name in interrupted_frames if name in WAITING_FRAMES), None)   # a worker's, cut or interrupted
     if frame is None:
         return root
-    rule = catalog.get(STOPPED_WHILE_WAITING) or fallback_rule(
-        STOPPED_WHILE_WAITING, Category.HANG, "Stopped while waiting: the run had hung")
+    rule = stopped_while_waiting_rule(catalog)
     return replace(root, rule=rule, confidence=min(root.confidence, 0.45), reasons=root.reasons + (
         f"the innermost frame of the interrupted traceback is `{frame}`: the "
         "process was waiting (for a child, a queue, a socket or a lock) when it was stopped, so the run had "

@@ -13,20 +13,19 @@ from logtriage.analysis.findings import Finding
 from logtriage.analysis.roots import RankFacts, RootCause, earliest
 from logtriage.catalog.rule import Category
 
-ORIGIN_RULE = "context.rpc_remote_origin"
 # the roots a remote error shows as on the caller: its re-raise, or how the caller then ended
 _CALLER_ENDS = frozenset({Category.PYTHON_EXCEPTION, Category.CRASH_SIGNAL, Category.UNKNOWN})
-_REMOTE_MARKS = ("On WorkerInfo(id=", "Error on Node ")
-# the worker named in a line: the rule's own capture, or (where an exception rule took the line
-# first: the caller's re-raise) the same marks read from its text
+# the worker a line names: the rule's own lines, and (where an exception rule took the line first: the
+# caller's re-raise) the same marks inside an exception's message (context.rpc_remote_origin's patterns)
 _NAMED_WORKER = re.compile(r"On WorkerInfo\(id=(\d+), name=[^,)]*\):|\bError on Node (\d+): ")
 
 
 def remote_origin(root: RootCause, findings: list[Finding], facts: RankFacts) -> RootCause:
     """A root that is a remote call's error (or the caller's end after it) moves to the one worker
     the RPC layer names as where it raised, with that worker's own exception where it printed one."""
-    origins = [f for f in findings if f.rule.id == ORIGIN_RULE or any(mark in f.text for mark in _REMOTE_MARKS)]
-    named = {int(m.group(1) or m.group(2)) for f in origins if (m := _NAMED_WORKER.search(f.text))}
+    marks = {id(f): m for f in findings if (m := _NAMED_WORKER.search(f.text))}
+    origins = [f for f in findings if id(f) in marks]
+    named = {int(marks[id(f)].group(1) or marks[id(f)].group(2)) for f in origins}
     if len(named) != 1 or (root.rule.category not in _CALLER_ENDS and root.rank is not None):
         return root
     worker = next(iter(named))
@@ -38,12 +37,11 @@ def remote_origin(root: RootCause, findings: list[Finding], facts: RankFacts) ->
            f"(line {first.line}: `{first.text.strip()[:100]}`)")
     if root.rule.category not in _CALLER_ENDS:   # a specific reading of the remote error: only its rank was missing
         return replace(root, rank=worker, ranks=(worker,), reasons=root.reasons + (why,))
-    own = [f for f in findings if f.category is Category.PYTHON_EXCEPTION and f.rule.id != ORIGIN_RULE and f.is_error
-           and f.rank in (None, worker) and f.source == first.source and f.line >= first.line
-           and not any(mark in f.text for mark in _REMOTE_MARKS)]
-    chosen = earliest(own) if own else next((f for f in findings if f.category is Category.PYTHON_EXCEPTION
-                                              and f.rule.id != ORIGIN_RULE and f.is_error
-                                              and any(mark in f.text for mark in _REMOTE_MARKS)), None)
+    # (the origin rule's own lines are context, never an error: is_error leaves them out)
+    errors = [f for f in findings if f.category is Category.PYTHON_EXCEPTION and f.is_error]
+    own = [f for f in errors if f.rank in (None, worker) and f.source == first.source and f.line >= first.line
+           and id(f) not in marks]
+    chosen = earliest(own) if own else next((f for f in errors if id(f) in marks), None)
     if chosen is None or (root.rank == worker and root.finding is chosen):
         return root
     return RootCause(chosen.rule, replace(chosen, rank=worker), worker, (worker,), min(root.confidence, 0.6),

@@ -9,9 +9,8 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding, mask_numbers
-from logtriage.analysis.hangs import fallback_rule
 from logtriage.analysis.rank_evidence import odd_one_out
-from logtriage.analysis.refine import STOPPED_WHILE_WAITING, at_the_odd_step
+from logtriage.analysis.refine import at_the_odd_step, stopped_while_waiting_rule
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.stopped import message_of
 from logtriage.catalog.loader import Catalog
@@ -47,8 +46,7 @@ def heartbeats_before_stop(scan: ScanResult, keys: list[StreamKey], root: RootCa
         return root
     step = max(texts[-1][0] for texts in stalled.values())
     rank, why = _odd_heartbeat(stalled) if silent is None else silent
-    rule = catalog.get(STOPPED_WHILE_WAITING) or fallback_rule(
-        STOPPED_WHILE_WAITING, Category.HANG, "Stopped while waiting: the run had hung")
+    rule = stopped_while_waiting_rule(catalog)
     reasons = root.reasons + (
         f"before the stop, the last lines of rank(s) {ranges(sorted(stalled), limit=8)} repeat one message at step "
         f"{step} ({REPEATS} or more times): heartbeats went on while the steps did not, so the job had stalled, and "

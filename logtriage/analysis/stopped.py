@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.hangs import FINISHED_RULE, fallback_rule
-from logtriage.analysis.refine import STOPPED_WHILE_WAITING
+from logtriage.analysis.refine import stopped_while_waiting_rule
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.timestamps import parse_stamp
 from logtriage.catalog.loader import Catalog
@@ -196,8 +196,7 @@ def stalled_before_stop(scan: ScanResult, root: RootCause, findings: list[Findin
     if any(f.is_error and not f.is_teardown and f.category is not Category.EXTERNAL_STOP
            and f.source == stop.source and last[0] <= f.line < stop.line for f in findings):
         return root
-    rule = catalog.get(STOPPED_WHILE_WAITING) or fallback_rule(
-        STOPPED_WHILE_WAITING, Category.HANG, "Stopped while waiting: the run had hung")
+    rule = stopped_while_waiting_rule(catalog)
     minutes = (end.seconds - begin.seconds) / 60
     return replace(root, rule=rule, confidence=min(root.confidence, 0.45), reasons=root.reasons + (
         f"the last output before the stop (line {last[0]}) is stamped {minutes:.0f} minutes earlier, and nothing "

@@ -12,8 +12,8 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
-from logtriage.analysis.hangs import EXIT_STALLED, fallback_rule
-from logtriage.analysis.refine import STOPPED_WHILE_WAITING, at_the_odd_step
+from logtriage.analysis.hangs import EXIT_STALLED
+from logtriage.analysis.refine import at_the_odd_step, stopped_while_waiting_rule
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.stalls import pieces_before
 from logtriage.analysis.timestamps import Stamp, parse_stamp
@@ -63,8 +63,7 @@ def waiting_before_stop(scan: ScanResult, keys: list[StreamKey], root: RootCause
     if any(f.is_error and not f.is_teardown and f.category not in _NOT_FAILURES and f.source == stop.source
            and said[0] < f.line < stop.line for f in findings):
         return root
-    rule = catalog.get(STOPPED_WHILE_WAITING) or fallback_rule(
-        STOPPED_WHILE_WAITING, Category.HANG, "Stopped while waiting: the run had hung")
+    rule = stopped_while_waiting_rule(catalog)
     return replace(root, rule=rule, rank=rank, ranks=(rank,) if rank is not None else (),
                    confidence=min(root.confidence, 0.45), reasons=root.reasons + (
                        f"the workers' last words before the stop (line {said[0]}: `{said[1][:120]}`) say they wait, "
@@ -102,20 +101,15 @@ def stopped_in_startup(scan: ScanResult, root: RootCause, findings: list[Finding
     none of whose ranks printed a step and nothing of which failed: it hung in its start-up
     (a rendezvous or an init that never completed, a wait on a file or a lock)."""
     stop = root.finding
-    if (root.rule.category is not Category.EXTERNAL_STOP or stop is None or stop.stamp is None
-            or stop.source >= len(scan.sources) or facts.last_step or not facts.known
-            or not any(_STOPPED_BY.search(f.text) for f in findings
-                       if f.category is Category.EXTERNAL_STOP and f.source == stop.source)):
-        return root
-    if any(f.is_error and not f.is_teardown and f.category is not Category.EXTERNAL_STOP for f in findings):
+    if (not _signalled_stop_alone(root, findings) or stop.stamp is None or stop.source >= len(scan.sources)
+            or facts.last_step or not facts.known):
         return root
     head = read_lines(scan.sources[stop.source], scan.indexes[stop.source], list(range(1, min(stop.line, 40))))
     begun = next((s for n in sorted(head) if (s := parse_stamp(head[n])) is not None
                   and s.family == stop.stamp.family), None)
     if begun is None or stop.stamp.seconds - begun.seconds < STARTUP_SECONDS:
         return root
-    rule = catalog.get(STOPPED_WHILE_WAITING) or fallback_rule(
-        STOPPED_WHILE_WAITING, Category.HANG, "Stopped while waiting: the run had hung")
+    rule = stopped_while_waiting_rule(catalog)
     return replace(root, rule=rule, rank=None, ranks=(), confidence=min(root.confidence, 0.35), reasons=root.reasons + (
         f"the launcher started the job {stop.stamp.seconds - begun.seconds:.0f} s before the stop, and no rank "
         "printed a single step and nothing failed: start-up never completed (a rendezvous, an init, a wait on a "
@@ -131,16 +125,11 @@ def stopped_with_uneven_progress(scan: ScanResult, root: RootCause, findings: li
     their last steps lie UNEVEN_STEPS or more apart: ranks that train together in lockstep had
     stopped moving together, some waiting in a collective the others no longer called. The stop
     ended that hang; the one rank whose step differs from all the others' went its own way."""
-    stop = root.finding
     steps = facts.last_step
-    if (root.rule.category is not Category.EXTERNAL_STOP or stop is None or len(facts.known) < 2
-            or not facts.known <= steps.keys() or max(steps.values()) - min(steps.values()) < UNEVEN_STEPS
-            or not any(_STOPPED_BY.search(f.text) for f in findings
-                       if f.category is Category.EXTERNAL_STOP and f.source == stop.source)
-            or any(f.is_error and not f.is_teardown and f.category is not Category.EXTERNAL_STOP for f in findings)):
+    if (not _signalled_stop_alone(root, findings) or len(facts.known) < 2 or not facts.known <= steps.keys()
+            or max(steps.values()) - min(steps.values()) < UNEVEN_STEPS):
         return root
-    rule = catalog.get(STOPPED_WHILE_WAITING) or fallback_rule(
-        STOPPED_WHILE_WAITING, Category.HANG, "Stopped while waiting: the run had hung")
+    rule = stopped_while_waiting_rule(catalog)
     hung = replace(root, rule=rule, rank=None, ranks=(), confidence=min(root.confidence, 0.4), reasons=root.reasons + (
         f"no error, and the ranks' last progress lines lie {max(steps.values()) - min(steps.values())} steps apart "
         f"(steps {min(steps.values())} to {max(steps.values())}) when the stop came: they had stopped moving together, "
@@ -148,3 +137,14 @@ def stopped_with_uneven_progress(scan: ScanResult, root: RootCause, findings: li
     return at_the_odd_step(hung, facts, 0.4, (
         "rank {rank}'s last progress line is step {step}, every other rank's step {others}: it went its own way "
         "(a collective skipped or added), and the others waited for it"))
+
+
+def _signalled_stop_alone(root: RootCause, findings: list[Finding]) -> bool:
+    """The root is an external stop by SIGTERM or SIGINT (the launcher's own words for it), and nothing
+    in the log failed apart from the stop."""
+    stop = root.finding
+    return (root.rule.category is Category.EXTERNAL_STOP and stop is not None
+            and any(_STOPPED_BY.search(f.text) for f in findings
+                    if f.category is Category.EXTERNAL_STOP and f.source == stop.source)
+            and not any(f.is_error and not f.is_teardown and f.category is not Category.EXTERNAL_STOP
+                        for f in findings))
