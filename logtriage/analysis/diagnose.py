@@ -24,6 +24,7 @@ from logtriage.analysis.hangs import (
     world_incomplete,
 )
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid, shared_gpu
+from logtriage.analysis.loss_outlier import loss_outlier_rank
 from logtriage.analysis.odd_start import odd_start_rank
 from logtriage.analysis.recovered import (GROUP_SUCCEEDED, caught_then_finished, relaunched_then_finished,
                                           restarted_then_finished)
@@ -36,9 +37,8 @@ from logtriage.analysis.refine import (
     peer_that_left,
     peers_over_node_exit,
     stopped_while_waiting,
-    store_wait_after_progress,
-    unique_id_host_left,
 )
+from logtriage.analysis.store_waits import own_server_port_taken, store_wait_after_progress, unique_id_host_left
 from logtriage.analysis.live_errors import went_on_from_every_error
 from logtriage.analysis.rpc_origin import remote_origin
 from logtriage.analysis.signal_readings import (
@@ -51,7 +51,7 @@ from logtriage.analysis.signal_readings import (
     unsent_sigterms,
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
-from logtriage.analysis.odd_dtype import odd_dtype_rank
+from logtriage.analysis.odd_dtype import odd_dtype_rank, p2p_sender_rank
 from logtriage.analysis.validity import refused_result_first
 from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_named_ranks, group_destroyed,
                                               oom_on_shared_gpu, spawn_report_yields, timer_reaped, unresolved_host,
@@ -60,7 +60,8 @@ from logtriage.analysis.silent_first import silent_death_first
 from logtriage.analysis.stalls import (behind_ranks_ended, heartbeat_odd_one_out, heartbeats_before_stop,
                                        time_limit_ended_hang, watchdog_spared_rank)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
-from logtriage.analysis.waiting_lines import stopped_in_startup, stopped_with_uneven_progress, waiting_before_stop
+from logtriage.analysis.waiting_lines import (stopped_before_all_stepped, stopped_in_startup, stopped_with_uneven_progress,
+                                             waiting_before_stop)
 from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, output_stopped, stalled_before_stop,
                                         still_retrying, stuck_after_warning, unknown_error_line)
 from logtriage.analysis.roots import ChainLink, RankFacts, RootCause, Verdict
@@ -116,6 +117,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = stopped_in_startup(scan, waiting_before_stop(scan, keys, root, findings, catalog), findings, facts,
                                   catalog)
         root = stopped_with_uneven_progress(scan, root, findings, facts, catalog)
+        root = stopped_before_all_stepped(scan, root, findings, facts, catalog)
         root = time_limit_ended_hang(scan, keys, root, findings)
     if root is not None:
         root = timer_reaped(waited_for_a_crash(refused_result_first(root, findings), findings), findings)
@@ -130,8 +132,10 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = dcp_named_ranks(root, findings, scan.block_exceptions)
         root = probe_json_without_banner(root, bool(scan.banner_lines), catalog)
         root = odd_dtype_rank(different_collectives_at_one_seq(root, findings, catalog), scan, keys)
+        root = loss_outlier_rank(scan, keys, p2p_sender_rank(root, findings))
         root = watchdog_spared_rank(root, findings, facts)
         root = store_wait_after_progress(root, findings, facts, first_progress(stream_stats), catalog)
+        root = own_server_port_taken(root, findings, catalog)
         root = group_destroyed(root, {k.rank for k, s in stream_stats.items()
                                       if k.kind is StreamKind.RANK and s.last_step is not None}, catalog)
     if root is None:

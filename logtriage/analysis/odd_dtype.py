@@ -10,7 +10,9 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from logtriage.analysis.findings import Finding
 from logtriage.analysis.roots import RootCause
+from logtriage.catalog.rule import Category
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.ingest.lines import read_lines
 from logtriage.scan_result import ScanResult
@@ -47,3 +49,32 @@ def odd_dtype_rank(root: RootCause, scan: ScanResult, keys: list[StreamKey]) -> 
         f"the only rank whose lines name {', '.join(sorted('torch.' + d for d in named[rank]))} (every other rank "
         f"names {', '.join(sorted('torch.' + d for d in next(iter(others))))}): rank {rank}'s tensors are the "
         "wider ones, and its neighbour aborted on them"))
+
+
+# a send that a peer's abort broke: the c10d call, or the program's own send helper around
+# `isend(...).wait()` (whose c10d frame has returned by then)
+_P2P_SENDS = frozenset({"send", "isend", "batch_isend_irecv"})
+_SEND_FRAME = re.compile(r"send", re.IGNORECASE)
+_RECEIVED_MORE = "preamble.length <= op.nbytes"
+
+
+def p2p_sender_rank(root: RootCause, findings: list[Finding]) -> RootCause:
+    """Gloo aborted a rank that received more bytes than it had posted for, in a point-to-point
+    exchange: the one other rank whose send then broke on the lost connection sent them. Its
+    message (a wider activation, a float64 tensor) is the one that differs; the receiver only
+    checked it. In a collective (`all_reduce`) no rank is in a send, and nothing changes."""
+    f = root.finding
+    if root.rule.id != SIZE_RULE or root.rank is None or f is None or _RECEIVED_MORE not in f.text:
+        return root
+    senders = {w.rank for w in findings
+               if w.rank is not None and w.rank != root.rank and w.is_error
+               and w.category is Category.COLLECTIVE_ERROR
+               and (w.collective in _P2P_SENDS or (not w.collective and _SEND_FRAME.search(w.last_frame)
+                                                   and "recv" not in w.last_frame.lower()))}
+    if len(senders) != 1:
+        return root
+    rank = senders.pop()
+    return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.55), reasons=(
+        *root.reasons, f"rank {root.rank} aborted on receiving more bytes than it had posted for, and rank {rank} "
+        "was the one rank whose send then broke on the lost connection: rank "
+        f"{rank} sent the larger message, rank {root.rank} only checked it"))

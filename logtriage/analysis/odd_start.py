@@ -32,7 +32,7 @@ def odd_start_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause, fac
         for who, text in _own_lines(rank, _HOST.sub("", piece.strip())):
             if (who is not None and step_number(text) is None and not _NOT_START.search(text)
                     and _OWN_RANK.match(text)):   # a line that starts by naming its rank: the script's own words
-                said.setdefault(who, _OWN_RANK.sub("rank #", text))
+                said.setdefault(who, _own_index(who).sub("#/", _OWN_RANK.sub("rank #", text)))
     if set(said) != set(facts.known):
         return root
     rank = odd_one_out(said)
@@ -44,11 +44,18 @@ def odd_start_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause, fac
         "its own way, and the others waited on it",))
 
 
+def _own_index(rank: int) -> re.Pattern:
+    """The rank's number again as an index of a count (`stage 2/4`, `proc 2/8`): its own, not a difference."""
+    return re.compile(rf"(?<![\w.]){rank}/(?=\d)")
+
+
 def _own_lines(rank: int | None, text: str) -> list[tuple[int | None, str]]:
     """A line as (rank, text) pieces: two ranks' start lines glued on one line (`... ('dp', 'tp')rank 3 world 4
-    ...`) are two, each the rank its own `rank N` names."""
+    ...`) are two, each the rank its own `rank N` names; an unattributed line starting `rank N` is rank N's."""
     marks = list(_OWN_RANK.finditer(text))
     if len(marks) < 2 or marks[0].start() != 0:
+        if rank is None and marks and marks[0].start() == 0:
+            return [(int(marks[0].group(1)), text)]   # a line no prefix gave a rank, that names its own
         return [(rank, text)]
     cuts = [m.start() for m in marks] + [len(text)]
     return [(int(m.group(1)), text[a:b].strip()) for m, a, b in zip(marks, cuts, cuts[1:])]

@@ -1,12 +1,10 @@
 """Second readings of a chosen root: the same evidence read in its context, across ranks and the
-launcher. A peer's closed connection points at the rank that left; a store timeout after training
-started is a peer late to a collective; an OOM's GPU index is the local rank; an abort that follows the watchdog's dump signal is the collective timeout's teardown; a Ctrl-C whose
+launcher. A peer's closed connection points at the rank that left; an OOM's GPU index is the local rank; an abort that follows the watchdog's dump signal is the collective timeout's teardown; a Ctrl-C whose
 process sat in a wait is the hang someone stopped. Readings of one exception are in exceptions.py,
-of stops and signals in signal_readings.py."""
+of stops and signals in signal_readings.py, of the store in store_waits.py."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
@@ -14,7 +12,6 @@ from logtriage.analysis.rank_evidence import PEER_LEFT_RULES, odd_one_out
 from logtriage.analysis.hangs import fallback_rule
 from logtriage.analysis.signal_readings import exit_rule
 from logtriage.analysis.roots import RankFacts, RootCause, earliest
-from logtriage.analysis.timeouts import missing_rank_root
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Role
 from logtriage.demux.streams import StreamKind
@@ -112,60 +109,6 @@ def oom_device_rank(root: RootCause, multi_node: bool, own_gpus: bool) -> RootCa
     return replace(root, rank=device, ranks=(device,), confidence=min(root.confidence, 0.5), reasons=root.reasons + (
         f"no line names the rank; the message's GPU {device} is local rank {device}'s device where the launcher "
         f"sets each rank's device to its local rank (torchrun, accelerate, DeepSpeed, Lightning)",))
-
-
-UNIQUE_ID_STORE_RULE = "nccl.unique_id_store"
-# the store's connection went away (not a wait that timed out: that rank was late, not gone)
-_STORE_LOST = ("Connection reset by peer", "Broken pipe", "Failed to recv", "failed to recv")
-
-
-def unique_id_host_left(root: RootCause, catalog: Catalog) -> RootCause:
-    """Only consequences, the first a rank losing the store while fetching NCCL's unique id from
-    rank 0 (`store->get('0') got error: Connection reset by peer`): rank 0, which publishes the id
-    and here hosts the store, went away before its peers read it, without a message in this log."""
-    f = root.finding
-    if root.rule.id != UNIQUE_ID_STORE_RULE or f is None or not f.captures.get("peer", "").isdigit() \
-            or not any(s in f.captures.get("reason", "") for s in _STORE_LOST):
-        return root
-    peer = int(f.captures["peer"])
-    return RootCause(exit_rule(catalog), f, peer, (peer,), 0.35, (
-        f"rank {f.rank if f.rank is not None else '?'} lost the store while fetching NCCL's unique id from rank "
-        f"{peer} ({f.captures['reason']}): rank {peer} went away first, and its own error is not in this log",))
-
-
-STORE_TIMEOUT_RULES = frozenset({"dist.store_wait_timeout", "dist.store_connect_timeout"})
-STORE_WAIT_IN_COLLECTIVE = "dist.store_wait_in_collective"
-
-
-# the store key of a rank's address that gloo's connectFullMesh waits for while the default group
-# forms (`/default_pg/0//cpu//0/3`, inside init_process_group)
-_DEFAULT_GROUP_MESH = re.compile(r"^/default_pg/0//(?:cpu|cuda)//\d+/\d+$")
-
-
-def store_wait_after_progress(root: RootCause, findings: list[Finding], facts: RankFacts,
-                              first_progress: tuple[int, int] | None, catalog: Catalog) -> RootCause:
-    """A store timeout after the run printed training progress: the group formed long before, so
-    the wait was for a peer in a barrier or collective (busy with rank-0-only work, or gone), a
-    collective timeout whose culprit is the rank missing from the waits."""
-    f = root.finding
-    if f is None or root.rule.id not in STORE_TIMEOUT_RULES or first_progress is None or first_progress > (f.source, f.line):
-        return root
-    if max(facts.last_step.values(), default=0) <= 0 and any(
-            _DEFAULT_GROUP_MESH.search(w.captures.get("keys", "")) for w in findings if w.rule.id in STORE_TIMEOUT_RULES):
-        return root     # the default group forming: a `step 0/6 init_process_group(...)` line is no training yet
-    rule = catalog.get(STORE_WAIT_IN_COLLECTIVE)
-    if rule is None:
-        return root
-    live = [w for w in findings if w.is_error and not w.is_teardown]
-    # the others' collective timeouts are waits too (a rank in the store waiting for a peer of its
-    # send, the rest in their all-reduce waiting for it)
-    waits = [w for w in findings if w.rule.id in STORE_TIMEOUT_RULES
-             or (w.is_error and not w.is_teardown and w.category is Category.COLLECTIVE_TIMEOUT
-                 and w.rank is not None)]
-    missing = missing_rank_root(waits, live, facts, findings)
-    return replace(missing, rule=rule, finding=f, reasons=(
-        "the store timed out after the run had printed training progress: the process group had formed, so "
-        "this was a wait for a peer in a barrier or collective, not a start-up failure",) + missing.reasons)
 
 
 DUMP_SIGNAL_RULE = "nccl.flight_recorder"

@@ -26,6 +26,7 @@ from logtriage.scan_result import ScanResult
 WAIT_SECONDS = 30.0   # a stamped wait shorter than this when the stop came is no hang (a component stopped it)
 _WAITING = re.compile(r"\bwaiting\b|\bwaits? (?:for|on|until)\b", re.IGNORECASE)
 STARTUP_SECONDS = 30.0   # from the launcher's start to the stop, no step printed: start-up had stuck
+SIGTERM_SENT = "launcher.sigterm_sent"   # the agent stopping a worker by pid: one was there
 # the launcher's words for the signal it got: SIGTERM (a `timeout`, a scheduler) or SIGINT (Ctrl-C);
 # a SIGHUP is a closed terminal, which says nothing of the job
 _STOPPED_BY = re.compile(r"Received (?:15|2|SIGTERM|SIGINT) death signal|got signal: (?:15|2)\b")
@@ -102,18 +103,52 @@ def stopped_in_startup(scan: ScanResult, root: RootCause, findings: list[Finding
     (a rendezvous or an init that never completed, a wait on a file or a lock)."""
     stop = root.finding
     if (not _signalled_stop_alone(root, findings) or stop.stamp is None or stop.source >= len(scan.sources)
-            or facts.last_step or not facts.known):
-        return root
-    head = read_lines(scan.sources[stop.source], scan.indexes[stop.source], list(range(1, min(stop.line, 40))))
-    begun = next((s for n in sorted(head) if (s := parse_stamp(head[n])) is not None
-                  and s.family == stop.stamp.family), None)
-    if begun is None or stop.stamp.seconds - begun.seconds < STARTUP_SECONDS:
+            or facts.last_step or not (facts.known or any(f.rule.id == SIGTERM_SENT for f in findings))):
+        return root     # (workers the launcher stopped by pid, where no line names a rank, were there too)
+    ran = _seconds_before_stop(scan, stop)
+    if ran is None or ran < STARTUP_SECONDS:
         return root
     rule = stopped_while_waiting_rule(catalog)
     return replace(root, rule=rule, rank=None, ranks=(), confidence=min(root.confidence, 0.35), reasons=root.reasons + (
-        f"the launcher started the job {stop.stamp.seconds - begun.seconds:.0f} s before the stop, and no rank "
+        f"the launcher started the job {ran:.0f} s before the stop, and no rank "
         "printed a single step and nothing failed: start-up never completed (a rendezvous, an init, a wait on a "
         "file or a lock), and the stop ended that hang",))
+
+
+def stopped_before_all_stepped(scan: ScanResult, root: RootCause, findings: list[Finding], facts: RankFacts,
+                               catalog: Catalog) -> RootCause:
+    """An external stop with nothing failed, STARTUP_SECONDS or more after the launcher started the
+    job, when some ranks had printed a step and the others none at all: ranks that step together
+    had parted before the first step was done. The one rank that stands apart (alone in printing a
+    step, or alone in printing none) went its own way; the others waited for it."""
+    steps, known = facts.last_step, facts.known
+    stop = root.finding
+    if (not _signalled_stop_alone(root, findings) or stop.stamp is None or stop.source >= len(scan.sources)
+            or not steps or len(known) < 3 or known <= steps.keys() or not steps.keys() <= known):
+        return root
+    ran = _seconds_before_stop(scan, stop)
+    if ran is None or ran < STARTUP_SECONDS:
+        return root
+    stepped, silent = set(steps), known - set(steps)
+    odd = next(iter(stepped)) if len(stepped) == 1 else next(iter(silent)) if len(silent) == 1 else None
+    rule = stopped_while_waiting_rule(catalog)
+    hung = replace(root, rule=rule, rank=None, ranks=(), confidence=min(root.confidence, 0.35), reasons=root.reasons + (
+        f"no error, {ran:.0f} s from the job's start to the stop, and only rank(s) "
+        f"{', '.join(map(str, sorted(stepped)))} had printed a step: the ranks had stopped moving together before "
+        "the first step was done, and the stop ended the wait",))
+    if odd is None:
+        return hung
+    return replace(hung, rank=odd, ranks=(odd,), reasons=hung.reasons + (
+        f"rank {odd} is the only rank that " + ("printed a step" if odd in stepped else "printed no step")
+        + ": it went its own way (a collective skipped or added), and the others waited for it",))
+
+
+def _seconds_before_stop(scan: ScanResult, stop: Finding) -> float | None:
+    """Seconds from the first line of the input stamped like the stop (the launcher's start) to the stop."""
+    head = read_lines(scan.sources[stop.source], scan.indexes[stop.source], list(range(1, min(stop.line, 40))))
+    begun = next((s for n in sorted(head) if (s := parse_stamp(head[n])) is not None
+                  and s.family == stop.stamp.family), None)
+    return None if begun is None else stop.stamp.seconds - begun.seconds
 
 
 UNEVEN_STEPS = 2   # progress this many steps apart between ranks when the stop came: they no longer moved together

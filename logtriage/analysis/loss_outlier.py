@@ -1,0 +1,65 @@
+"""A non-finite loss that every rank (or the wrong one) reports can start in one rank's data: its
+progress lines show its loss leaving the others' by orders of magnitude a step or more before any
+rank raised (`rank 2 step 3 loss 1848.8` where the others print 1.4), and the all-reduce then
+spread the blow-up to every rank. That rank's data or settings started it."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import replace
+
+from logtriage.analysis.roots import RootCause
+from logtriage.analysis.stalls import pieces_before
+from logtriage.catalog.rule import Category
+from logtriage.demux.streams import StreamKey
+from logtriage.scan_result import ScanResult, step_number
+
+# a progress line's loss value: `loss 1.38`, `loss=1848.8191`, `loss: nan`
+_LOSS = re.compile(r"\bloss\b\s*[=:]?\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)\b", re.IGNORECASE)
+APART = 100.0        # a loss this many times the others' largest at the same step has left them
+AGREE = 10.0         # the others' losses at that step lie within this factor of each other
+MIN_OTHERS = 2
+
+
+def loss_outlier_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause) -> RootCause:
+    f = root.finding
+    if root.rule.category is not Category.NUMERICAL or f is None or f.source >= len(scan.sources):
+        return root
+    losses: dict[int, dict[int, float]] = {}      # step -> rank -> its first loss at that step
+    for _, _, rank, piece in pieces_before(scan, keys, f.source, f.line + 1):
+        step = step_number(piece) if rank is not None else None
+        m = _LOSS.search(piece) if step is not None else None
+        if m is not None:
+            losses.setdefault(step, {}).setdefault(rank, float(m.group(1)))
+    for step in sorted(losses):
+        odd = _left_the_others(losses[step])
+        if odd is None:
+            continue
+        if odd == root.rank:
+            return root
+        rank, value = odd, losses[step][odd]
+        others = [v for r, v in losses[step].items() if r != rank]
+        return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.5), reasons=(
+            *root.reasons, f"rank {rank}'s loss at step {step} was {value:g} where every other rank's was at most "
+            f"{max(others):g}: its loss left the others' first, and the all-reduce spread the blow-up from there "
+            "(its data, its batch, its settings)"))
+    return root
+
+
+def _left_the_others(at_step: dict[int, float]) -> int | None:
+    """The one rank whose loss at a step is non-finite or APART times the others', which agree."""
+    if len(at_step) < MIN_OTHERS + 1:
+        return None
+    wild = [r for r, v in at_step.items() if not math.isfinite(v)]
+    if not wild:
+        ranked = sorted(at_step, key=lambda r: abs(at_step[r]))
+        top, rest = ranked[-1], [abs(at_step[r]) for r in ranked[:-1]]
+        if abs(at_step[top]) > APART * max(max(rest), 1e-3):
+            wild = [top]
+    if len(wild) != 1:
+        return None
+    rest = [abs(v) for r, v in at_step.items() if r != wild[0]]
+    if not all(math.isfinite(v) for v in rest) or max(rest) > AGREE * max(min(rest), 1e-3):
+        return None
+    return wild[0]
