@@ -99,3 +99,36 @@ def test_a_loss_leaves_the_others_only_when_they_agree_and_it_alone_is_far_off()
     assert _left_the_others({0: 1.4, 1: 1.3, 2: 1.5}) is None            # nobody apart
     assert _left_the_others({0: 1.4, 1: 900.0, 2: 1848.8}) is None       # the others do not agree
     assert _left_the_others({0: 1.4, 1: 1848.8}) is None                 # two ranks: no majority
+
+
+# The 90th to 92nd batches: several models in one job, subgroups, asynchronous collectives.
+
+@pytest.mark.parametrize("slug", [
+    # every rank's last line is `rank N final 11.1705 done`, and torchrun at its default level prints nothing
+    # on success; in the pdsh form the lines carry `worker-K: ` before them
+    "aop_none_np4_rnone_plain",
+    "aop_none_np4_rnone_pdsh2",
+])
+def test_a_log_whose_every_rank_last_says_done_is_a_finished_run(slug):
+    report = triage([str(SAMPLES / f"{slug}.log")]).to_dict()
+    assert (report["verdict"], report["root_cause"]) == ("ok", None)
+
+
+@pytest.mark.parametrize("slug, rank", [
+    # rank 2 creates its pair groups in another order: ranks wait in new_group for a subgroup's key
+    # (`/default_pg/0//4//cpu//0/0`) of the default group's store, which only a formed default group has
+    ("subg_order_np4_r2_plain", 2),
+    ("subg_skipcreate_np6_r3_loginfo", 3),
+])
+def test_a_store_wait_for_a_subgroups_key_is_a_collective_timeout_not_a_rendezvous(slug, rank):
+    assert _root(slug) == ("failed", "dist.store_wait_in_collective", "collective_timeout", rank)
+
+
+@pytest.mark.parametrize("slug, rank", [
+    # rank 3 alone prints `'freeze_d': True` in its settings line; gloo aborts rank 2, the receiver of the
+    # all-reduce whose size differs
+    ("amod_reqgrad_np4_r3_plain", 3),
+    ("amod_reqgrad_np6_r4_wrapper", 4),
+])
+def test_a_size_abort_goes_to_the_one_rank_whose_start_line_differs(slug, rank):
+    assert _root(slug) == ("failed", "gloo.size_mismatch", "collective_mismatch", rank)

@@ -43,7 +43,17 @@ def exception_type_of(text: str) -> str | None:
     m = EXCEPTION_HEAD.match(text) or _EXCEPTION_REPR.match(text)
     if not m:
         return None
+    wrapped = _CALLBACK_WRAPPER.search(text)
+    while wrapped is not None and (inner := EXCEPTION_HEAD.match(text[wrapped.end():])) is not None:
+        m, text = inner, text[wrapped.end():]        # the exception the callback itself raised
+        wrapped = _CALLBACK_WRAPPER.search(text)
     return unglued(m.group(1))
+
+
+# torch.futures' wrapper around an exception a Future's callback (`.then(...)`, a DDP comm hook's)
+# raised: `RuntimeError: Got the following error when running the callback: KeyError: 'Train'`
+CALLBACK_WRAPPED = "Got the following error when running the callback: "
+_CALLBACK_WRAPPER = re.compile(r"^[\w.]+: " + CALLBACK_WRAPPED)
 
 
 # a logging record's time and level (and a script's rank label) in front of each line of a traceback it logged

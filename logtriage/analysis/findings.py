@@ -15,7 +15,7 @@ from typing import Mapping
 
 from logtriage.analysis.childfailed import ChildFailure, signal_name
 from logtriage.analysis.clock_offsets import clock_offsets, on_reference_clock
-from logtriage.analysis.exception_names import exception_type_of, short_type, unglued
+from logtriage.analysis.exception_names import CALLBACK_WRAPPED, exception_type_of, short_type, unglued
 from logtriage.analysis.record_stamps import record_stamps
 from logtriage.analysis.same_event import one_reading_per_event
 from logtriage.analysis.timestamps import Stamp
@@ -137,6 +137,8 @@ class Finding:
             if wrapper:
                 return wrapper
         captured = self.captures.get("exception_type")
+        if captured and CALLBACK_WRAPPED in self.text:
+            return exception_type_of(self.text) or unglued(captured)   # the callback's own exception
         return (unglued(captured) if captured else None) or exception_type_of(self.text) \
             or exception_type_of(self.block_exception)
 

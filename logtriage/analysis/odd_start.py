@@ -1,34 +1,40 @@
 """Ranks that start alike print alike: `rank 2 world 4 mesh (2, 2) names ('dp', 'tp')` on every rank
 but one, whose line says `names ('tp', 'dp')` or `samples 40 batches 5` where the others say 56 and
-7. When every rank timed out or the job hung and no rank is named, the one rank whose start-up
-words (its own rank number aside) differ from all the others', which agree, went its own way."""
+7. When every rank timed out or the job hung and no rank is named, or gloo aborted the rank that
+received a message of another size, the one rank whose start-up words (its own rank number aside)
+differ from all the others', which agree, went its own way."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import replace
 
+from logtriage.analysis.odd_dtype import SIZE_RULE
 from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.stalls import pieces_before
 from logtriage.catalog.rule import Category
-from logtriage.demux.streams import StreamKey
+from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.scan_result import ScanResult, step_number
 
 HEAD = 160          # lines of the input read for each rank's first line
 _OWN_RANK = re.compile(r"\b(?:rank|RANK|Rank)[ =:]*(\d+)")
 # pdsh's `worker-1: ` before a line (lines read back keep it: the demuxer's dialect is not kept with the scan)
 _HOST = re.compile(r"^[\w.-]+: (?=\S)")
-_NOT_START = re.compile(r"Traceback|Error\b|Warning\b")   # a rank's error or warning, not how it started
+_NOT_START = re.compile(r"Traceback|Error\b|Warning\b|\(local_rank: \d+\)")   # a rank's error or warning, not how it started
 _UNNAMED = (Category.COLLECTIVE_TIMEOUT, Category.HANG)
 
 
 def odd_start_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause, facts: RankFacts) -> RootCause:
-    """A timeout or hang with no rank moves to the one rank whose first line naming itself differs."""
-    if root.rank is not None or root.rule.category not in _UNNAMED or len(facts.known) < 3 or not scan.sources:
+    """A timeout or hang with no rank, or gloo's size abort (on the rank that received the odd
+    message, not the one that sent it), moves to the one rank whose first line naming itself differs."""
+    unnamed = root.rank is None and root.rule.category in _UNNAMED
+    if not (unnamed or root.rule.id == SIZE_RULE) or len(facts.known) < 3 or not scan.sources:
         return root
     said: dict[int, str] = {}
-    for _, _, rank, piece in pieces_before(scan, keys, 0, HEAD + 1):
+    for _, key, rank, piece in pieces_before(scan, keys, 0, HEAD + 1):
+        if key.kind is StreamKind.LAUNCHER:
+            continue     # the agent's own lines (its summary's `rank      : 3 (local_rank: 3)`)
         for who, text in _own_lines(rank, _HOST.sub("", piece.strip())):
             if (who is not None and step_number(text) is None and not _NOT_START.search(text)
                     and _OWN_RANK.match(text)):   # a line that starts by naming its rank: the script's own words
@@ -36,7 +42,7 @@ def odd_start_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause, fac
     if set(said) != set(facts.known):
         return root
     rank = odd_one_out(said)
-    if rank is None:
+    if rank is None or rank == root.rank:
         return root
     line = said[rank]
     return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.35), reasons=root.reasons + (

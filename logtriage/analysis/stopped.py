@@ -17,6 +17,7 @@ from logtriage.analysis.timestamps import parse_stamp
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
 from logtriage.demux.around_paste import environment_report_span, reporters_words
+from logtriage.demux.line_marks import find_rank_marker
 from logtriage.demux.prefixes import Dialect, strip_prefixes
 from logtriage.demux.streams import StreamKey
 from logtriage.ingest.lines import read_lines
@@ -51,7 +52,7 @@ def output_stopped(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]
     the run finished."""
     last = next((line for line in reversed(_without_environment_report(tail))
                  if _JOB_OUTPUT.search(line[2]) and not reporters_words(line[2])), None)
-    if last is None:
+    if last is None or _every_rank_signed_off(scan, keys, tail, facts):
         return None
     number = last[1]
     rule = catalog.get("hang.output_stopped") or fallback_rule(
@@ -67,6 +68,28 @@ def output_stopped(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]
     ranks = tuple(sorted(facts.last_step))
     return RootCause(rule, _finding(scan, keys, rule, last), None, ranks if len(ranks) > 1 else (), 0.25,
                      tuple(reasons))
+
+
+# a rank's own last word that its work is over (`rank 0 final 11.1705 done`, `[r2] eval finished`)
+_SIGNED_OFF = re.compile(r"\b(?:done|finished|completed?|exiting)[.!]?\s*$", re.IGNORECASE)
+_OWN_RANK = re.compile(r"\[?(?:rank|RANK|Rank)[ =:_]*(\d{1,6})\b")
+_HOST = re.compile(r"^[\w.-]+: (?=\S)")     # pdsh's `worker-1: ` (the demuxer's dialect is not kept with the scan)
+
+
+def _every_rank_signed_off(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine], facts: RankFacts) -> bool:
+    """Every known rank's last line in the log's end says it is done: each rank finished its script
+    (and the launcher, at its default log level, prints nothing on success)."""
+    last: dict[int, str] = {}
+    for source, number, text in tail:
+        message = message_of(text)
+        own = _OWN_RANK.match(message) or _OWN_RANK.match(_HOST.sub("", message, count=1))      # the script's own `rank N ...` at the line's start
+        rank = int(own.group(1)) if own else find_rank_marker(message)
+        if rank is None and number - 1 < len(scan.indexes[source].slots):
+            rank = keys[scan.slots.final(scan.indexes[source].slots[number - 1])].rank_or_none
+        if rank is not None:
+            last[rank] = message
+    return bool(facts.known) and facts.known <= last.keys() and all(
+        _SIGNED_OFF.search(last[rank]) for rank in facts.known)
 
 
 def _without_environment_report(tail: list[TailLine]) -> list[TailLine]:

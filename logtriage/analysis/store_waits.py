@@ -51,15 +51,23 @@ _FORMING = frozenset({"init_process_group", "_new_process_group_helper", "new_gr
                       "_store_based_barrier", "_init_process_group", "init_device_mesh", "split_group"})
 
 
+# a subgroup's own key in the default group's store (`/default_pg/0//4//cpu//0/1`: group 4's mesh, as
+# new_group connects it): the default group is up, and the ranks' new_group calls did not line up
+_SUBGROUP_KEY = re.compile(r"^/default_pg/\d+//\d+//")
+
+
 def _group_formed_wait(findings: list[Finding]) -> bool:
     """A store wait that can only come after the default group formed: in a c10d send or collective
-    (gloo connecting lazily to its peer), or the program's own key in the default group's store
-    (`/default_pg/0//job/ready`: its `store.wait` or hand-made barrier, not gloo's address keys)."""
+    (gloo connecting lazily to its peer), for a subgroup's key, or the program's own key in the
+    default group's store (`/default_pg/0//job/ready`: its `store.wait` or hand-made barrier, not
+    gloo's address keys)."""
     for w in findings:
         if w.rule.id not in STORE_TIMEOUT_RULES:
             continue
         keys = w.captures.get("keys", "")
         if w.collective and w.collective not in _FORMING:
+            return True
+        if _SUBGROUP_KEY.match(keys):
             return True
         if not w.collective and keys.startswith("/default_pg/") and not any(
                 _DEFAULT_GROUP_MESH.search(k.strip()) for k in keys.split(",") if k.strip()):
