@@ -13,15 +13,15 @@ from logtriage.analysis.odd_dtype import SIZE_RULE
 from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.stalls import pieces_before
+from logtriage.analysis.stopped import PDSH_HOST
 from logtriage.catalog.rule import Category
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.scan_result import ScanResult, step_number
 
 HEAD = 160          # lines of the input read for each rank's first line
 _OWN_RANK = re.compile(r"\b(?:rank|RANK|Rank)[ =:]*(\d+)")
-# pdsh's `worker-1: ` before a line (lines read back keep it: the demuxer's dialect is not kept with the scan)
-_HOST = re.compile(r"^[\w.-]+: (?=\S)")
-_NOT_START = re.compile(r"Traceback|Error\b|Warning\b|\(local_rank: \d+\)")   # a rank's error or warning, not how it started
+# a rank's error or warning, or the agent's summary field, not how a rank started
+_NOT_START = re.compile(r"Traceback|Error\b|Warning\b|\(local_rank: \d+\)")
 _UNNAMED = (Category.COLLECTIVE_TIMEOUT, Category.HANG)
 
 
@@ -35,7 +35,7 @@ def odd_start_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause, fac
     for _, key, rank, piece in pieces_before(scan, keys, 0, HEAD + 1):
         if key.kind is StreamKind.LAUNCHER:
             continue     # the agent's own lines (its summary's `rank      : 3 (local_rank: 3)`)
-        for who, text in _own_lines(rank, _HOST.sub("", piece.strip())):
+        for who, text in _own_lines(rank, PDSH_HOST.sub("", piece.strip())):
             if (who is not None and step_number(text) is None and not _NOT_START.search(text)
                     and _OWN_RANK.match(text)):   # a line that starts by naming its rank: the script's own words
                 said.setdefault(who, _own_index(who).sub("#/", _OWN_RANK.sub("rank #", text)))

@@ -73,7 +73,8 @@ def output_stopped(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]
 # a rank's own last word that its work is over (`rank 0 final 11.1705 done`, `[r2] eval finished`)
 _SIGNED_OFF = re.compile(r"\b(?:done|finished|completed?|exiting)[.!]?\s*$", re.IGNORECASE)
 _OWN_RANK = re.compile(r"\[?(?:rank|RANK|Rank)[ =:_]*(\d{1,6})\b")
-_HOST = re.compile(r"^[\w.-]+: (?=\S)")     # pdsh's `worker-1: ` (the demuxer's dialect is not kept with the scan)
+# pdsh's `worker-1: ` before a line read back (the demuxer's dialect is not kept with the scan)
+PDSH_HOST = re.compile(r"^[\w.-]+: (?=\S)")
 
 
 def _every_rank_signed_off(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine], facts: RankFacts) -> bool:
@@ -82,7 +83,8 @@ def _every_rank_signed_off(scan: ScanResult, keys: list[StreamKey], tail: list[T
     last: dict[int, str] = {}
     for source, number, text in tail:
         message = message_of(text)
-        own = _OWN_RANK.match(message) or _OWN_RANK.match(_HOST.sub("", message, count=1))      # the script's own `rank N ...` at the line's start
+        # the script's own `rank N ...` at the line's start
+        own = _OWN_RANK.match(message) or _OWN_RANK.match(PDSH_HOST.sub("", message, count=1))
         rank = int(own.group(1)) if own else find_rank_marker(message)
         if rank is None and number - 1 < len(scan.indexes[source].slots):
             rank = keys[scan.slots.final(scan.indexes[source].slots[number - 1])].rank_or_none
