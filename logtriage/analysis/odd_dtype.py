@@ -54,7 +54,6 @@ def odd_dtype_rank(root: RootCause, scan: ScanResult, keys: list[StreamKey]) -> 
 # a send that a peer's abort broke: the c10d call, or the program's own send helper around
 # `isend(...).wait()` (whose c10d frame has returned by then)
 _P2P_SENDS = frozenset({"send", "isend", "batch_isend_irecv"})
-_SEND_FRAME = re.compile(r"send", re.IGNORECASE)
 _RECEIVED_MORE = "preamble.length <= op.nbytes"
 
 
@@ -69,7 +68,7 @@ def p2p_sender_rank(root: RootCause, findings: list[Finding]) -> RootCause:
     senders = {w.rank for w in findings
                if w.rank is not None and w.rank != root.rank and w.is_error
                and w.category is Category.COLLECTIVE_ERROR
-               and (w.collective in _P2P_SENDS or (not w.collective and _SEND_FRAME.search(w.last_frame)
+               and (w.collective in _P2P_SENDS or (not w.collective and "send" in w.last_frame.lower()
                                                    and "recv" not in w.last_frame.lower()))}
     if len(senders) != 1:
         return root

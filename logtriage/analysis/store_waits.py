@@ -42,7 +42,7 @@ STORE_WAIT_IN_COLLECTIVE = "dist.store_wait_in_collective"
 
 # the store key of a rank's address that gloo's connectFullMesh waits for while the default group
 # forms (`/default_pg/0//cpu//0/3`, inside init_process_group)
-_DEFAULT_GROUP_MESH = re.compile(r"^/default_pg/0//(?:cpu|cuda)//\d+/\d+$")
+_DEFAULT_GROUP_MESH = re.compile(r"^/default_pg/0//(?:cpu|cuda)//\d+/(\d+)$")   # (the peer whose address it is)
 
 
 # the c10d functions that wait in the store while a group forms (a wait in any other, a send or
@@ -75,9 +75,6 @@ def _group_formed_wait(findings: list[Finding]) -> bool:
     return False
 
 
-_MESH_PEER = re.compile(r"^/default_pg/0//(?:cpu|cuda)//\d+/(\d+)$")
-
-
 def _addressed_outside_world(findings: list[Finding], facts: RankFacts) -> tuple[int, int] | None:
     """(waiter, peer) where one rank's store wait was for the address of a rank past the world's
     last (`/default_pg/0//cpu//0/4` in a 4-rank job): gloo connects lazily to a send's peer."""
@@ -85,7 +82,7 @@ def _addressed_outside_world(findings: list[Finding], facts: RankFacts) -> tuple
         return None
     world = max(facts.known) + 1
     found = {(w.rank, int(m.group(1))) for w in findings if w.rule.id in STORE_TIMEOUT_RULES and w.rank is not None
-             for m in [_MESH_PEER.match(w.captures.get("keys", "").rstrip(","))] if m and int(m.group(1)) >= world}
+             for m in [_DEFAULT_GROUP_MESH.match(w.captures.get("keys", "").rstrip(","))] if m and int(m.group(1)) >= world}
     return found.pop() if len(found) == 1 else None
 
 
