@@ -15,20 +15,20 @@ from logtriage.demux.streams import SlotTable, StreamKind
 from logtriage.ingest.sources import Source
 
 # a progress line's step; not a Slurm step id (`*** STEP 422332.0 ON node01 CANCELLED`, `job step 7.0`)
-# and a tqdm-style counter after a lower-case `it` (`[3] it 5/7 | loss 0.41`)
+# and a counter after a lower-case `it`: tqdm-style (`[3] it 5/7 | loss 0.41`) or a key (`rank4/6 it=1 loss=0.85`)
 STEP = re.compile(r"\b(?:global[_ ])?(?:step|iter(?:ation)?)\b[\"']?\s*[:=#]?\s*\[?\s*(\d{1,12})\b(?!\.\d)"
-                  r"|(?-i:(?<![\w])it (\d{1,12}) ?/ ?\d)", re.IGNORECASE)
+                  r"|(?-i:(?<![\w])it (\d{1,12}) ?/ ?\d)|(?-i:(?<![\w])it=(\d{1,12})\b(?!\.\d))", re.IGNORECASE)
 
 
 def step_number(text: str) -> int | None:
     """The step a progress line reports, or None."""
     m = STEP.search(text)
-    return None if m is None else int(m.group(1) or m.group(2))
+    return None if m is None else int(m.group(1) or m.group(2) or m.group(3))
 
 
 def may_hold_step(text: str) -> bool:
-    """The cheap test before STEP (the fast kernel's is the same: "tep", "ter" or "it ")."""
-    return "tep" in text or "ter" in text or "it " in text
+    """The cheap test before STEP (the fast kernel's is the same: "tep", "ter", "it " or "it=")."""
+    return "tep" in text or "ter" in text or "it " in text or "it=" in text
 
 
 @dataclass(frozen=True, slots=True)

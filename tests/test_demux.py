@@ -192,7 +192,7 @@ def test_a_scripts_own_progress_print_that_starts_with_its_rank_is_that_ranks(tm
 
 
 
-def test_a_tqdm_style_it_counter_and_a_json_step_key_are_progress_lines_on_both_engines(tmp_path):
+def test_a_tqdm_style_it_counter_an_it_key_and_a_json_step_key_are_progress_lines_on_both_engines(tmp_path):
     # sample_logs/cpu_adhoc/herring_*: `print(f"[{rank}] it {step}/{steps} | loss {loss:.4f}")`
     from logtriage.api import TriageOptions
     log = tmp_path / "it.log"
@@ -202,10 +202,12 @@ def test_a_tqdm_style_it_counter_and_a_json_step_key_are_progress_lines_on_both_
                    "[rank1]: commit 3/4 of the shard index\n"      # `it` inside a word: no counter
                    "[rank1]: wait 5/6 seconds\n"
                    "[rank0]: exit 9/9\n"
-                   '[rank1]: {"step": 3, "loss": 0.81}\n')            # a JSON record's key (dl_handled_np6_r0_plain)
+                   '[rank1]: {"step": 3, "loss": 0.81}\n'            # a JSON record's key (dl_handled_np6_r0_plain)
+                   "[rank0]: rank0/2 it=4 loss=0.8586\n"             # a key=value counter (stall_fh_np6_r4_tee)
+                   "[rank1]: split=9 limit=12 exit=1\n")             # `it=` ending a longer word: no counter
     for engine in ("exact", "fast"):
         run = run_triage([str(log)], TriageOptions(engine=engine))
-        assert {s.key.rank: s.last_step for s in run.diagnosis.streams if s.key.rank is not None} == {0: 2, 1: 3}
+        assert {s.key.rank: s.last_step for s in run.diagnosis.streams if s.key.rank is not None} == {0: 4, 1: 3}
 
 _GROUP_SCRIPT = """
 def inner():

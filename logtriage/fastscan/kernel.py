@@ -65,7 +65,8 @@ def _zero_bytes(x):
 def _special_word(x):
     """Whether the 8 bytes in x (little-endian) may hold a byte _scan_bytes must look at, false
     positives allowed: a control byte (< 32), DEL or non-ASCII, `[` or `]`, or a `t` that starts
-    `te` (in the word, or as its last byte), or `it ` (`t ` as the first bytes: `i` ended the last word)."""
+    `te` (in the word, or as its last byte), or `it ` or `it=` (`t ` or `t=` as the first bytes: `i` ended
+    the last word)."""
     if (x & _HIGHS) != 0 or ((x - _ONES * np.uint64(32)) & ~x & _HIGHS) != 0:
         return True
     if (_zero_bytes(x ^ (_ONES * np.uint64(91))) | _zero_bytes(x ^ (_ONES * np.uint64(93)))
@@ -76,14 +77,14 @@ def _special_word(x):
     if ((t & (e >> np.uint64(8))) | (t >> np.uint64(63))) != 0:
         return True
     i = _zero_bytes(x ^ (_ONES * np.uint64(105)))
-    space = _zero_bytes(x ^ (_ONES * np.uint64(32)))
+    space = _zero_bytes(x ^ (_ONES * np.uint64(32))) | _zero_bytes(x ^ (_ONES * np.uint64(61)))   # or `=`
     return ((i & (t >> np.uint64(8)) & (space >> np.uint64(16))) | (t & (space >> np.uint64(8)) & np.uint64(0x80))) != 0
 
 
 @njit(cache=True, nogil=True)
 def _scan_bytes(buf, classes, ends, bad, last_colon, first_step, last_step, brackets, last_cr, high):
     """One pass over the chunk: line ends, and per line whether it holds a byte a plain line may
-    not, where its last `]:` is, where "tep"/"ter" (or "it N") first and last occur, how many `[` it has."""
+    not, where its last `]:` is, where "tep"/"ter" (or "it N", "it=N") first and last occur, how many `[` it has."""
     n = 0
     size = buf.shape[0]
     is_bad = False

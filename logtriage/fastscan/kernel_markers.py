@@ -310,10 +310,10 @@ def _is_word_byte(c):
 @njit(cache=True, nogil=True, inline="always")
 def is_step_at(buf, k, size):
     """Whether the `t` at k starts "tep"/"ter" (step, iter, iteration), or ends a word "it" that a
-    counter follows (`it 3/7`)."""
+    counter follows (`it 3/7`, `it=3`)."""
     if k + 2 >= size:
         return False
     if buf[k + 1] == 101 and (buf[k + 2] == 112 or buf[k + 2] == 114):
         return True
-    return (buf[k + 1] == 32 and is_digit(buf[k + 2]) and k >= 1 and buf[k - 1] == 105
+    return ((buf[k + 1] == 32 or buf[k + 1] == 61) and is_digit(buf[k + 2]) and k >= 1 and buf[k - 1] == 105
             and (k < 2 or not _is_word_byte(buf[k - 2])))

@@ -63,11 +63,12 @@ def _steps(lines: list[bytes]) -> list[int]:
     """The step each line belongs to (-1 before the first step line)."""
     current, out = -1, []
     for text in lines:
-        if (b"tep" in text or b"ter" in text or b"TEP" in text or b"TER" in text or b"it " in text) \
+        if (b"tep" in text or b"ter" in text or b"TEP" in text or b"TER" in text or b"it " in text
+                or b"it=" in text) \
                 and len(text) < 2000:
             m = STEP.search(text)
             if m:
-                current = int(m.group(1) or m.group(2))
+                current = int(m.group(1) or m.group(2) or m.group(3))
         out.append(current)
     return out
 
