@@ -51,10 +51,10 @@ from logtriage.analysis.signal_readings import (
     unsent_sigterms,
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
-from logtriage.analysis.odd_dtype import odd_dtype_rank, p2p_sender_rank
+from logtriage.analysis.odd_dtype import odd_dtype_rank, p2p_sender_rank, sized_by_mismatch
 from logtriage.analysis.validity import refused_result_first
 from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_named_ranks, group_destroyed,
-                                              oom_on_shared_gpu, spawn_report_yields, timer_reaped, unresolved_host,
+                                              oom_on_shared_gpu, rank0_model_differs, spawn_report_yields, timer_reaped, unresolved_host,
                                               waited_for_a_crash, writer_behind_readers)
 from logtriage.analysis.silent_first import silent_death_first
 from logtriage.analysis.stalls import (behind_ranks_ended, heartbeat_odd_one_out, heartbeats_before_stop,
@@ -103,7 +103,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is not None and root.rule.role is Role.CASCADE_CANDIDATE:
         root = unique_id_host_left(root, catalog)
     if root is not None:
-        root = remote_origin(root, findings, facts)
+        root = remote_origin(sized_by_mismatch(root, findings), findings, facts)
         ray = scan.facts.ray_workers or any(".ray_" in f.rule.id for f in findings)   # Ray: a GPU per worker
         root = launcher_named_rank(root, findings)
         root = oom_device_rank(root, scan.multi_node or any(k.host for k in keys), ray)
@@ -136,6 +136,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = watchdog_spared_rank(root, findings, facts)
         root = store_wait_after_progress(root, findings, facts, first_progress(stream_stats), catalog)
         root = own_server_port_taken(root, findings, catalog)
+        root = rank0_model_differs(root, findings, facts.known)
         root = group_destroyed(root, {k.rank for k, s in stream_stats.items()
                                       if k.kind is StreamKind.RANK and s.last_step is not None}, catalog)
     if root is None:

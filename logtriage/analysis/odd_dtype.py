@@ -3,14 +3,17 @@ narrower dtype (a bfloat16 model among float32 ones), or the neighbour of a rank
 float64 model sends twice the bytes its float32 neighbour waits for, and that neighbour aborts while
 the float64 rank only sees the connection reset). The abort's `216 vs 108` cannot tell which; the
 ranks' own lines can, where they name their dtypes (`rank 2 world 4 params torch.float64`): the
-one rank that names a dtype no other rank names is the one that differs."""
+one rank that names a dtype no other rank names is the one that differs. A rank that then asks the
+host for a petabyte was sized by what it received from the rank that differs: the check is the cause."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import replace
 
+from logtriage.analysis.exceptions import GARBAGE_SIZE_BYTES
 from logtriage.analysis.findings import Finding
+from logtriage.analysis.rank_evidence import rank_the_launcher_saw_fail
 from logtriage.analysis.roots import RootCause
 from logtriage.catalog.rule import Category
 from logtriage.demux.streams import StreamKey, StreamKind
@@ -77,3 +80,26 @@ def p2p_sender_rank(root: RootCause, findings: list[Finding]) -> RootCause:
         *root.reasons, f"rank {root.rank} aborted on receiving more bytes than it had posted for, and rank {rank} "
         "was the one rank whose send then broke on the lost connection: rank "
         f"{rank} sent the larger message, rank {root.rank} only checked it"))
+
+
+HOST_ALLOC_RULE = "host.cpu_alloc"
+
+
+def sized_by_mismatch(root: RootCause, findings: list[Finding]) -> RootCause:
+    """A host allocation of a terabyte or more (`you tried to allocate 1121742378500496 bytes`) in a job
+    where gloo's size check aborted a rank: the size was computed from a message the ranks' calls
+    disagreed on (split counts sent as int32 and read as int64), not from memory the job needed. The
+    size check, on the rank whose message differed or its receiver, is where it started."""
+    f = root.finding
+    if root.rule.id != HOST_ALLOC_RULE or f is None or int(f.captures.get("bytes") or 0) < GARBAGE_SIZE_BYTES:
+        return root
+    check = next((g for g in findings if g.rule.id == SIZE_RULE and g.is_error), None)
+    if check is None:
+        return root
+    # gloo's abort prints no rank prefix (a C++ terminate): the launcher's first failed worker is its rank
+    rank = check.rank if check.rank is not None else rank_the_launcher_saw_fail(findings)
+    return RootCause(check.rule, check, rank, (rank,) if rank is not None else (),
+                     min(root.confidence, 0.5), root.reasons + (
+                         f"rank {root.rank} asked the host for {int(f.captures['bytes']) / (1 << 40):,.0f} TiB, a size "
+                         "no job needs: it was read out of a message whose size gloo's check refused on another "
+                         "rank (line " + str(check.line) + "), so the ranks' collectives did not match",))

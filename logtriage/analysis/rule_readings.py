@@ -4,7 +4,8 @@ world size is another NCCL build; a process group "not initialized" on a rank th
 the others was destroyed, not never created; a worker killed by SIGKILL after torchelastic's
 timer reaped it ran out its timed block (a hang), not out of memory; a store connect that timed
 out on a host name whose address could not be resolved failed for that reason; ranks that could not
-read a checkpoint (cut short, missing) that another rank failed to write failed for that reason."""
+read a checkpoint (cut short, missing) that another rank failed to write failed for that reason; DDP's
+parameter check raised on every rank but rank 0, against rank 0's shapes, blames rank 0."""
 
 from __future__ import annotations
 
@@ -202,3 +203,22 @@ def waited_for_a_crash(root: RootCause, findings: list[Finding]) -> RootCause:
     return RootCause(crash.rule, crash, rank, (rank,), root.confidence, root.reasons + (
         f"rank {rank}, the one the others waited for, died of {_OWN_SIGNALS[crash.rule.id]} and never waited "
         f"itself: its crash came first, their wait ({root.rule.id}) is its consequence",))
+
+
+PARAM_SHAPE_RULE = "ddp.param_shape_mismatch"
+_AGAINST_RANK0 = "of the same param in process 0"
+
+
+def rank0_model_differs(root: RootCause, findings: list[Finding], known: frozenset[int]) -> RootCause:
+    """DDP's constructor compares every rank's parameter shapes with rank 0's, and a rank whose
+    shapes differ raises `params[0] in this process with sizes [...] appears not to match sizes of
+    the same param in process 0`. When every rank but rank 0 raises it (three ranks or more), the
+    one model that differs is rank 0's (a stale config or file on its node), not theirs."""
+    if root.rule.id != PARAM_SHAPE_RULE or root.rank == 0 or len(known) < 3:
+        return root
+    raised = {f.rank for f in findings if f.rule.id == PARAM_SHAPE_RULE and _AGAINST_RANK0 in f.text}
+    if raised != known - {0}:
+        return root
+    return replace(root, rank=0, ranks=(0,), confidence=min(root.confidence, 0.6), reasons=root.reasons + (
+        f"every rank but rank 0 ({ranges(sorted(raised), limit=8)}) found its parameters differ from rank 0's: "
+        "the model that differs is rank 0's",))
