@@ -1,6 +1,7 @@
-"""Contrastive losses over gathered tensors, sparse embeddings and mixture-of-experts all-to-all, on
-real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the 93rd to 95th batches, each labelled before
-triage ran; the test names the run)."""
+"""Contrastive losses over gathered tensors, sparse embeddings, mixture-of-experts all-to-all, process
+groups re-made in one job, randomness that makes ranks diverge and variable-size inputs, on real CPU
+runs of torch 2.13 (sample_logs/cpu_adhoc, the 93rd to 98th batches, each labelled before triage ran;
+the test names the run)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from logtriage.api import triage
+from logtriage.demux.line_marks import find_rank_marker
+from logtriage.demux.prefixes import Dialect, strip_prefixes
 from logtriage.scan_result import step_number
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_logs" / "cpu_adhoc"
@@ -71,3 +74,43 @@ def test_a_key_value_it_counter_is_a_step_and_a_longer_word_ending_in_it_is_not(
     # stall_fh_np6_r4_tee: faulthandler fires on all six ranks; rank 4, the only one that printed
     # `it=4` (the others `it=3`), stalled there
     assert _root("stall_fh_np6_r4_tee")[3] == 4
+
+
+@pytest.mark.parametrize("slug", ["rng_none_np4_rnone_plain", "rng_droppathfu_np4_rnone_tee3role",
+                                  "rng_evalrandshared_np5_rnone_plain"])
+def test_every_rank_summing_up_after_done_is_a_finished_run(slug):
+    # each rank's last line is `rank 3 done: 20 steps, mean loss 1.4187`, and torchrun prints nothing on success
+    report = triage([str(SAMPLES / f"{slug}.log")]).to_dict()
+    assert report["verdict"] == "ok"
+
+
+def test_a_rank_prefix_repeated_once_per_init_is_stripped_to_the_message():
+    # a sweep that called init_process_group three times: torch's excepthook prefix three times over
+    line = "[rank2]: [rank2]: [rank2]: ValueError: Default process group has not been initialized"
+    got = strip_prefixes(line, Dialect())
+    assert (got.rank, got.text) == (2, "ValueError: Default process group has not been initialized")
+    # the destroyed group's error (life_afterdestroy_np4_r2_plain) then keeps its exception type
+    report = triage([str(SAMPLES / "life_afterdestroy_np4_r2_plain.log")]).to_dict()
+    assert (report["root_cause"]["rank"], report["root_cause"]["exception_type"]) == (2, "ValueError")
+
+
+def test_a_scripts_rank_led_lines_name_their_rank_after_more_words():
+    assert find_rank_marker("rank 2 trial 1 lr 0.1 step 1 loss 1.3803") == 2
+    assert find_rank_marker("rank 3 stage 1 sent activations") == 3
+    assert find_rank_marker("rank 1 resuming from ckpt/step_40.pt") == 1
+    assert find_rank_marker("rank 5 failed to pass the barrier") is None   # a word about another rank, maybe
+
+
+def test_terminate_yields_to_its_what_line_below_the_ranks_buffered_stdout():
+    # `[default1]:terminate called ...`, then rank 1's own stdout lines, then `[default1]:  what(): ... 608 vs 352`
+    assert _root("vlen_localmax_np5_r1_tee3") == ("failed", "gloo.size_mismatch", "collective_mismatch", 1)
+
+
+@pytest.mark.parametrize("slug, rank", [
+    # rank 0's start line says `shard 52 samples` where the others say 51 (256 samples over 5 ranks): the
+    # remainder's share, not a rank set up its own way; gloo aborted the rank that broke out of the loop
+    ("rng_randbreak_np5_r4_tee3role", 4),
+    ("rng_evalrand_np3_r1_wrapper", 1),
+])
+def test_rank_0s_remainder_share_is_no_odd_start(slug, rank):
+    assert _root(slug)[3] == rank

@@ -2,7 +2,8 @@
 but one, whose line says `names ('tp', 'dp')` or `samples 40 batches 5` where the others say 56 and
 7. When every rank timed out or the job hung and no rank is named, or gloo aborted the rank that
 received a message of another size, the one rank whose start-up words (its own rank number aside)
-differ from all the others', which agree, went its own way."""
+differ from all the others', which agree, went its own way; rank 0 counting one more of something
+(a remainder's share) did not."""
 
 from __future__ import annotations
 
@@ -42,12 +43,26 @@ def odd_start_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause, fac
     if set(said) != set(facts.known):
         return root
     rank = odd_one_out(said)
-    if rank is None or rank == root.rank:
+    if rank is None or rank == root.rank or _remainder_share(said, rank):
         return root
     line = said[rank]
     return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.35), reasons=root.reasons + (
         f"rank {rank}'s start-up line (`{line[:100]}`) differs from every other rank's, which agree: it was set up "
         "its own way, and the others waited on it",))
+
+
+_NUMBER = re.compile(r"(\d+)")
+
+
+def _remainder_share(said: dict[int, str], rank: int) -> bool:
+    """Rank 0's line differs from the others' only in counts one higher (`shard 52 samples` where
+    they say 51): the first ranks take the remainder when a total does not divide by the world
+    size, so rank 0 was set up as the split sets up every job of that size, not its own way."""
+    other = next(text for r, text in said.items() if r != rank)
+    mine, theirs = _NUMBER.split(said[rank]), _NUMBER.split(other)
+    if rank != 0 or len(mine) != len(theirs) or mine[0::2] != theirs[0::2]:
+        return False
+    return all(int(a) - int(b) in (0, 1) for a, b in zip(mine[1::2], theirs[1::2]))
 
 
 def _own_index(rank: int) -> re.Pattern:

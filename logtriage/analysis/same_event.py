@@ -31,7 +31,8 @@ def one_reading_per_event(findings: list[Finding], scan: ScanResult) -> list[Fin
     findings = _logged_going_on(findings, scan.blocks, scan.block_kinds)
     findings = _before_the_handler(findings, scan.block_handling_lines, scan.block_handler_calls_failed)
     findings = _build_reraised(findings)
-    return _logged_then_said(_message_wrapped_below(_best_per_traceback(findings, scan.block_kinds)))
+    return _logged_then_said(_what_below_terminate(_message_wrapped_below(_best_per_traceback(findings,
+                                                                                                  scan.block_kinds))))
 
 
 # torch.utils.cpp_extension's `raise RuntimeError(f"Error building extension '{name}': {compiler output}")
@@ -125,6 +126,18 @@ def _message_wrapped_below(findings: list[Finding]) -> list[Finding]:
     bare = [f for f in findings if f.rule.id == "python.exception" and not f.captures.get("message", "").strip()
             and f.text.rstrip().endswith(":")]
     return _yield_to_below(findings, bare, WRAPPED_MESSAGE_REACH, lambda g: g.rule.id != "python.exception")
+
+
+WHAT_REACH = 12   # lines from `terminate called ...` down to its `what():`, with the rank's buffered stdout between
+
+
+def _what_below_terminate(findings: list[Finding]) -> list[Finding]:
+    """`terminate called after throwing an instance of 'gloo::EnforceNotMet'` goes to stderr at once,
+    and a rank's buffered stdout can come out between it and its `what():` line (`[default1]:rank 1
+    step 2 ...`), so the two are not one block: the `what():` below it in the same stream says what
+    was thrown, and the wrapper yields to it as it does within a block."""
+    wrappers = [f for f in findings if f.rule.id in _WRAPPER_RULES]
+    return _yield_to_below(findings, wrappers, WHAT_REACH, lambda g: "what():" in g.text)
 
 
 def _yield_to_below(findings: list[Finding], announcing: list[Finding], reach: int, says_more,

@@ -71,7 +71,11 @@ def output_stopped(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]
 
 
 # a rank's own last word that its work is over (`rank 0 final 11.1705 done`, `[r2] eval finished`)
-_SIGNED_OFF = re.compile(r"\b(?:done|finished|completed?|exiting)[.!]?\s*$", re.IGNORECASE)
+# a last line that ends on the word, or that sums the run up after it (`rank 3 done: 20 steps, mean loss
+# 1.4187`, `finished, final loss 1.37`); not one that goes on to wait (`done, waiting for the report`)
+_SIGNED_OFF = re.compile(r"\b(?:done|finished|completed?|exiting)[.!]?\s*$|\b(?:done|finished|completed?)[:,]\s+"
+                         r"(?:\d+\s+(?:steps?|epochs?|iterations?|iters?|batches)\b|(?:final|mean|avg|average|last|best)"
+                         r"\s+(?:loss|acc(?:uracy)?|metric)\b)", re.IGNORECASE)
 _OWN_RANK = re.compile(r"\[?(?:rank|RANK|Rank)[ =:_]*(\d{1,6})\b")
 # pdsh's `worker-1: ` before a line read back (the demuxer's dialect is not kept with the scan)
 PDSH_HOST = re.compile(r"^[\w.-]+: (?=\S)")

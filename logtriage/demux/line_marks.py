@@ -20,8 +20,10 @@ _RANK_MARKERS = (
     re.compile(r"\[\s*(?:global[_ ])?rank\s*[:=#]?\s*(\d{1,9})\s*(?:/\s*\d+\s*)?\]", re.IGNORECASE | re.ASCII),
     re.compile(r"(?:^|[\s,(|])(?:global_)?rank\s*[=:]\s*(\d{1,9})\b", re.IGNORECASE | re.ASCII),
     # and a script's own progress print or record that starts with its rank (`rank 3 step 12 loss 0.41`,
-    # `rank 1 training finished`, `rank 1 WARNING uploader failed`, `rank 1/4: reading config`)
-    re.compile(r"^\s*rank\s*(\d{1,9})(?:\s*/\s*\d+)?(?:\s*[:|\]]|\s+(?:step|epoch|iter|iteration|loss|batch|done|finished|training|train|eval|evaluation|saved|saving|loading|world|error|warning|exiting|starting|started)\b)",
+    # `rank 1 training finished`, `rank 1 WARNING uploader failed`, `rank 1/4: reading config`, `rank 2 trial 1
+    # lr 0.1 step 1`, `rank 3 stage 1 sent`, `rank 0 config {...}`, `rank 2 resuming from ...`)
+    re.compile(r"^\s*rank\s*(\d{1,9})(?:\s*/\s*\d+)?(?:\s*[:|\]]|\s+(?:step|epoch|iter|iteration|loss|batch|done|finished|training|train|eval|evaluation|saved|saving|loading|world|error|warning|exiting|starting|started"
+               r"|trial|sweep|stage|node|mesh|model|config|shards|building|wrapped|loaded|restored|resuming|heartbeat|waiting|final)\b)",
                re.IGNORECASE | re.ASCII),
     # a logger's `(rank 2) message` and Megatron-style `> rank 2 ...` at the start of the message
     re.compile(r"^ *\( *rank *(\d{1,9}) *\)", re.IGNORECASE | re.ASCII),

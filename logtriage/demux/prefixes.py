@@ -176,8 +176,9 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
     if m:
         rank = int(m.group(1))
         text = text[m.end():]
-        again = EXCEPTHOOK.match(text)
-        if again and int(again.group(1)) == rank:
-            text = text[again.end():]   # torch 2.6+ can print the rank prefix twice: `[rank0]:[rank0]: `
+        # torch 2.6+ can print the rank prefix twice (`[rank0]:[rank0]: `), and a process that called
+        # init_process_group again (a sweep's trials) once more for every hook it installed
+        while (again := EXCEPTHOOK.match(text)) and int(again.group(1)) == rank:
+            text = text[again.end():]
         layers.append("excepthook" if not text.startswith("[") else "cpp")
     return Prefixes(text, rank, local, host, tuple(layers))

@@ -188,7 +188,8 @@ def _word_at(buf, k, head_end, word):
 _PROGRESS_WORDS = tuple(np.frombuffer(w, dtype=np.uint8) for w in (
     b"step", b"epoch", b"iter", b"iteration", b"loss", b"batch", b"done", b"finished", b"training", b"train",
     b"eval", b"evaluation", b"saved", b"saving", b"loading", b"world", b"error", b"warning", b"exiting",
-    b"starting", b"started"))
+    b"starting", b"started", b"trial", b"sweep", b"stage", b"node", b"mesh", b"model", b"config", b"shards",
+    b"building", b"wrapped", b"loaded", b"restored", b"resuming", b"heartbeat", b"waiting", b"final"))
 
 
 @njit(cache=True, nogil=True)
