@@ -23,7 +23,7 @@ STEP = re.compile(r"\b(?:global[_ ])?(?:step|iter(?:ation)?)\b[\"']?\s*[:=#]?\s*
 def step_number(text: str) -> int | None:
     """The step a progress line reports, or None."""
     m = STEP.search(text)
-    return None if m is None else int(m.group(1) or m.group(2) or m.group(3))
+    return None if m is None else int(m.group(m.lastindex))   # the one alternative's counter that matched
 
 
 def may_hold_step(text: str) -> bool:

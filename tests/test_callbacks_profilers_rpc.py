@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from logtriage.analysis.early_stop import _STOPPED_EARLY
 from logtriage.api import triage
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_logs" / "cpu_adhoc"
+from sample_roots import SAMPLES
 
 
 def _report(slug: str) -> dict:

@@ -4,18 +4,13 @@ triage ran; the test names the run)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from logtriage.api import triage
 from logtriage.demux.frames import TracebackFacts, watch_traceback_line
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_logs" / "cpu_adhoc"
-
-
-def _root(slug: str) -> dict:
-    return triage([str(SAMPLES / f"{slug}.log")]).to_dict()["root_cause"]
+from sample_roots import SAMPLES
+from sample_roots import root_cause as _root
 
 
 def _handler_failed(lines: list[str]) -> bool:

@@ -5,19 +5,12 @@ before triage ran; the test names the run)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from logtriage.analysis.timestamps import clearly_before, parse_stamp
-from logtriage.api import triage
 from logtriage.demux.line_marks import find_rank_marker
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_logs" / "cpu_adhoc"
-
-
-def _root(slug: str) -> dict:
-    return triage([str(SAMPLES / f"{slug}.log")]).to_dict()["root_cause"]
+from sample_roots import root_cause as _root
 
 
 @pytest.mark.parametrize("text, rank", [

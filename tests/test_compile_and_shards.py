@@ -4,17 +4,9 @@ the test names the run)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from logtriage.analysis.exception_names import exception_type_of
-from logtriage.api import triage
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_logs" / "cpu_adhoc"
-
-
-def _root(slug: str) -> tuple:
-    rc = triage([str(SAMPLES / f"{slug}.log")]).to_dict()["root_cause"]
-    return rc["rule_id"], rc["category"], rc["rank"], rc["line"], rc["exception_type"]
+from sample_roots import root_facts as _root
 
 
 def test_dynamos_exceptions_are_exceptions_whatever_their_names_end_with():

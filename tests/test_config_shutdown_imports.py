@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from logtriage.analysis.exception_names import shadowing_file
 from logtriage.api import triage
 from logtriage.demux.line_marks import find_rank_marker
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_logs" / "cpu_adhoc"
+from sample_roots import SAMPLES
 
 
 def _report(slug: str) -> dict:

@@ -4,23 +4,12 @@ each labelled before triage ran; the test names the run)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from logtriage.api import triage
 from logtriage.demux.prefixes import Dialect, strip_prefixes
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_logs" / "cpu_adhoc"
-
-
-def _report(slug: str) -> dict:
-    return triage([str(SAMPLES / f"{slug}.log")]).to_dict()
-
-
-def _root(slug: str) -> tuple:
-    rc = _report(slug)["root_cause"]
-    return rc["rule_id"], rc["category"], rc["rank"], rc["line"], rc["exception_type"]
+from sample_roots import root_facts as _root
+from sample_roots import sample_report as _report
 
 
 @pytest.mark.parametrize("slug, expected", [

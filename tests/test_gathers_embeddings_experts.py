@@ -5,7 +5,6 @@ the test names the run)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -14,13 +13,8 @@ from logtriage.demux.line_marks import find_rank_marker
 from logtriage.demux.prefixes import Dialect, strip_prefixes
 from logtriage.scan_result import step_number
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_logs" / "cpu_adhoc"
-
-
-def _root(slug: str) -> tuple:
-    report = triage([str(SAMPLES / f"{slug}.log")]).to_dict()
-    rc = report["root_cause"]
-    return report["verdict"], rc["rule_id"], rc["category"], rc["rank"]
+from sample_roots import SAMPLES
+from sample_roots import verdict_and_root as _root
 
 
 @pytest.mark.parametrize("slug, rank", [
@@ -69,8 +63,11 @@ def test_a_floating_point_error_about_the_loss_stays_the_loss_rule():
 
 
 def test_a_key_value_it_counter_is_a_step_and_a_longer_word_ending_in_it_is_not():
+    from logtriage.tui.model.align import _steps
     assert step_number("rank4/6 it=7 loss=0.8586") == 7
     assert step_number("split=3 limit=12 exit=1") is None
+    # the viewer's byte reading of the same counters (its pattern is the scan's, encoded)
+    assert _steps([b"rank0/6 it=3 loss=0.5", b"split=9 limit=12", b"[0] it 4/7 | loss 0.4", b"step 5 loss 0.3"]) == [3, 3, 4, 5]
     # stall_fh_np6_r4_tee: faulthandler fires on all six ranks; rank 4, the only one that printed
     # `it=4` (the others `it=3`), stalled there
     assert _root("stall_fh_np6_r4_tee")[3] == 4

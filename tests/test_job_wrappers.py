@@ -5,18 +5,11 @@ batches, each labelled before triage ran; the test names the run)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from logtriage.api import triage
 from logtriage.demux.line_marks import find_rank_marker
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_logs" / "cpu_adhoc"
-
-
-def _report(slug: str) -> dict:
-    return triage([str(SAMPLES / f"{slug}.log")]).to_dict()
+from sample_roots import sample_report as _report
 
 
 def _root(report: dict) -> tuple:

@@ -4,7 +4,6 @@ ran; the test names the run)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -12,13 +11,8 @@ from logtriage.analysis.loss_outlier import _left_the_others
 from logtriage.analysis.odd_start import _own_index, _own_lines
 from logtriage.api import triage
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_logs" / "cpu_adhoc"
-
-
-def _root(slug: str) -> tuple:
-    report = triage([str(SAMPLES / f"{slug}.log")]).to_dict()
-    rc = report["root_cause"]
-    return report["verdict"], rc["rule_id"], rc["category"], rc["rank"]
+from sample_roots import SAMPLES
+from sample_roots import verdict_and_root as _root
 
 
 @pytest.mark.parametrize("slug, rank", [

@@ -102,4 +102,4 @@ def sized_by_mismatch(root: RootCause, findings: list[Finding]) -> RootCause:
                      min(root.confidence, 0.5), root.reasons + (
                          f"rank {root.rank} asked the host for {int(f.captures['bytes']) / (1 << 40):,.0f} TiB, a size "
                          "no job needs: it was read out of a message whose size gloo's check refused on another "
-                         "rank (line " + str(check.line) + "), so the ranks' collectives did not match",))
+                         f"rank (line {check.line}), so the ranks' collectives did not match",))

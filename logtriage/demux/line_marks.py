@@ -15,6 +15,11 @@ PROBE = re.compile(r"^([A-Z][A-Z0-9_]*_JSON)=(.*)$")
 _STAMP = (r"^\s*\[?(?:(?:\d{4}-\d\d-\d\d[ T_])?\d\d:\d\d:\d\d(?:[.,]\d{1,9})?(?:Z|[+-]\d\d:?\d\d)?"
           r"|\d{9,10}(?:\.\d{1,9})?)\]?")
 _LEVELS = "INFO|WARNING|WARN|ERROR|DEBUG|CRITICAL|FATAL"
+# the words after a script's leading `rank N` that make the line that rank's own (the fast kernel reads the same)
+PROGRESS_WORDS = ("step", "epoch", "iter", "iteration", "loss", "batch", "done", "finished", "training", "train",
+                  "eval", "evaluation", "saved", "saving", "loading", "world", "error", "warning", "exiting",
+                  "starting", "started", "trial", "sweep", "stage", "node", "mesh", "model", "config", "shards",
+                  "building", "wrapped", "loaded", "restored", "resuming", "heartbeat", "waiting", "final")
 # ASCII classes (`\b`, `\s`) as the fast-scan kernel reads bytes: `rank:0é` names rank 0 in both
 _RANK_MARKERS = (
     re.compile(r"\[\s*(?:global[_ ])?rank\s*[:=#]?\s*(\d{1,9})\s*(?:/\s*\d+\s*)?\]", re.IGNORECASE | re.ASCII),
@@ -22,8 +27,7 @@ _RANK_MARKERS = (
     # and a script's own progress print or record that starts with its rank (`rank 3 step 12 loss 0.41`,
     # `rank 1 training finished`, `rank 1 WARNING uploader failed`, `rank 1/4: reading config`, `rank 2 trial 1
     # lr 0.1 step 1`, `rank 3 stage 1 sent`, `rank 0 config {...}`, `rank 2 resuming from ...`)
-    re.compile(r"^\s*rank\s*(\d{1,9})(?:\s*/\s*\d+)?(?:\s*[:|\]]|\s+(?:step|epoch|iter|iteration|loss|batch|done|finished|training|train|eval|evaluation|saved|saving|loading|world|error|warning|exiting|starting|started"
-               r"|trial|sweep|stage|node|mesh|model|config|shards|building|wrapped|loaded|restored|resuming|heartbeat|waiting|final)\b)",
+    re.compile(r"^\s*rank\s*(\d{1,9})(?:\s*/\s*\d+)?(?:\s*[:|\]]|\s+(?:" + "|".join(PROGRESS_WORDS) + r")\b)",
                re.IGNORECASE | re.ASCII),
     # a logger's `(rank 2) message` and Megatron-style `> rank 2 ...` at the start of the message
     re.compile(r"^ *\( *rank *(\d{1,9}) *\)", re.IGNORECASE | re.ASCII),

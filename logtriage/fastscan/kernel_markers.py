@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from logtriage.demux.line_marks import PROGRESS_WORDS
 from logtriage.fastscan.kernel_prefixes import is_digit, global_before, lower, number, skip_spaces, spaces_before
 
 MARKER_HEAD = 120           # find_rank_marker looks at text[:120]
@@ -185,11 +186,7 @@ def _word_at(buf, k, head_end, word):
     return 0 if _is_word(buf[k + n]) else 1
 
 
-_PROGRESS_WORDS = tuple(np.frombuffer(w, dtype=np.uint8) for w in (
-    b"step", b"epoch", b"iter", b"iteration", b"loss", b"batch", b"done", b"finished", b"training", b"train",
-    b"eval", b"evaluation", b"saved", b"saving", b"loading", b"world", b"error", b"warning", b"exiting",
-    b"starting", b"started", b"trial", b"sweep", b"stage", b"node", b"mesh", b"model", b"config", b"shards",
-    b"building", b"wrapped", b"loaded", b"restored", b"resuming", b"heartbeat", b"waiting", b"final"))
+_PROGRESS_WORDS = tuple(np.frombuffer(w.encode(), dtype=np.uint8) for w in PROGRESS_WORDS)
 
 
 @njit(cache=True, nogil=True)

@@ -17,11 +17,11 @@ from typing import Callable
 import numpy as np
 
 from logtriage.analysis.timestamps import parse_stamp
+from logtriage.scan_result import STEP as TEXT_STEP
 
 # The step counters `triage` reads for a rank's last step (logtriage/scan.py), as the viewer needs
 # them: on raw bytes, so lining up two 150,000-line ranks decodes no line that has no step.
-STEP = re.compile(rb"\b(?:global[_ ])?(?:step|iter(?:ation)?)\b[\"']?\s*[:=#]?\s*\[?\s*(\d{1,12})\b"
-                  rb"|(?-i:(?<![\w])it (\d{1,12}) ?/ ?\d)", re.IGNORECASE)
+STEP = re.compile(TEXT_STEP.pattern.encode(), TEXT_STEP.flags & ~re.UNICODE)
 MAX_TIME_MERGE_LINES = 2_000_000
 BLANK = -1
 
@@ -68,7 +68,7 @@ def _steps(lines: list[bytes]) -> list[int]:
                 and len(text) < 2000:
             m = STEP.search(text)
             if m:
-                current = int(m.group(1) or m.group(2) or m.group(3))
+                current = int(m.group(m.lastindex))   # the one alternative's counter that matched
         out.append(current)
     return out
 

@@ -1,0 +1,32 @@
+"""The real CPU runs' folder, and a run's report and diagnosis in the shapes the batch test files compare."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from logtriage.api import triage
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_logs" / "cpu_adhoc"
+
+
+def sample_report(slug: str) -> dict:
+    """The JSON report of sample_logs/cpu_adhoc/<slug>.log."""
+    return triage([str(SAMPLES / f"{slug}.log")]).to_dict()
+
+
+def root_cause(slug: str) -> dict:
+    """The report's root_cause object."""
+    return sample_report(slug)["root_cause"]
+
+
+def root_facts(slug: str) -> tuple:
+    """(rule, category, rank, line, exception_type) of the root cause."""
+    rc = root_cause(slug)
+    return rc["rule_id"], rc["category"], rc["rank"], rc["line"], rc["exception_type"]
+
+
+def verdict_and_root(slug: str) -> tuple:
+    """(verdict, rule, category, rank)."""
+    report = sample_report(slug)
+    rc = report["root_cause"]
+    return report["verdict"], rc["rule_id"], rc["category"], rc["rank"]
