@@ -60,8 +60,8 @@ from logtriage.analysis.silent_first import silent_death_first
 from logtriage.analysis.stalls import (behind_ranks_ended, heartbeat_odd_one_out, heartbeats_before_stop,
                                        time_limit_ended_hang, watchdog_spared_rank)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
-from logtriage.analysis.waiting_lines import (stopped_before_all_stepped, stopped_in_startup, stopped_with_uneven_progress,
-                                             waiting_before_stop)
+from logtriage.analysis.waiting_lines import (stopped_after_one_went_on, stopped_before_all_stepped, stopped_in_startup,
+                                             stopped_with_uneven_progress, waiting_before_stop)
 from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, output_stopped, stalled_before_stop,
                                         still_retrying, stuck_after_warning, unknown_error_line)
 from logtriage.analysis.roots import ChainLink, RankFacts, RootCause, Verdict
@@ -118,6 +118,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
                                   catalog)
         root = stopped_with_uneven_progress(scan, root, findings, facts, catalog)
         root = stopped_before_all_stepped(scan, root, findings, facts, catalog)
+        root = stopped_after_one_went_on(scan, keys, root, findings, facts, catalog)
         root = time_limit_ended_hang(scan, keys, root, findings)
     if root is not None:
         root = timer_reaped(waited_for_a_crash(refused_result_first(root, findings), findings), findings)

@@ -32,23 +32,41 @@ def odd_start_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause, fac
     unnamed = root.rank is None and root.rule.category in _UNNAMED
     if not (unnamed or root.rule.id == SIZE_RULE) or len(facts.known) < 3 or not scan.sources:
         return root
-    said: dict[int, str] = {}
+    said = _start_lines(scan, keys)
+    if set(said) != set(facts.known):
+        return root
+    compared = {who: lines[0] for who, lines in said.items()}
+    rank = odd_one_out(compared)
+    if rank is None and len(set(compared.values())) == 1 and root.rule.id == SIZE_RULE:
+        # every rank's first line alike: the one rank that said more, or other, before its first step
+        # (`rank 0: DEBUG_ACT_HIST=1, registered act_hist buffer`) set up a message of its own size
+        compared = {who: "\n".join(lines[1:]) for who, lines in said.items()}
+        rank = odd_one_out(compared)
+    if rank is None or rank == root.rank or _remainder_share(compared, rank):
+        return root
+    other = said[next(r for r in said if r != rank)]
+    line = next((t for t in said[rank] if t not in other), said[rank][0])
+    return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.35), reasons=root.reasons + (
+        f"rank {rank}'s start-up line (`{line[:100]}`) differs from every other rank's, which agree: it was set up "
+        "its own way, and the others waited on it",))
+
+
+def _start_lines(scan: ScanResult, keys: list[StreamKey]) -> dict[int, list[str]]:
+    """Each rank's first line that names itself (the script's own words, no step, error or warning), then
+    its other such lines before its first step line, in the input's first lines; its own number made `#`."""
+    said: dict[int, list[str]] = {}
+    stepped: set[int] = set()
     for _, key, rank, piece in pieces_before(scan, keys, 0, HEAD + 1):
         if key.kind is StreamKind.LAUNCHER:
             continue     # the agent's own lines (its summary's `rank      : 3 (local_rank: 3)`)
         for who, text in _own_lines(rank, PDSH_HOST.sub("", piece.strip())):
-            if (who is not None and step_number(text) is None and not _NOT_START.search(text)
-                    and _OWN_RANK.match(text)):   # a line that starts by naming its rank: the script's own words
-                said.setdefault(who, _own_index(who).sub("#/", _OWN_RANK.sub("rank #", text)))
-    if set(said) != set(facts.known):
-        return root
-    rank = odd_one_out(said)
-    if rank is None or rank == root.rank or _remainder_share(said, rank):
-        return root
-    line = said[rank]
-    return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.35), reasons=root.reasons + (
-        f"rank {rank}'s start-up line (`{line[:100]}`) differs from every other rank's, which agree: it was set up "
-        "its own way, and the others waited on it",))
+            if who is None or not _OWN_RANK.match(text):   # a line that starts by naming its rank
+                continue
+            if step_number(text) is not None:
+                stepped.add(who)
+            elif not _NOT_START.search(text) and (who not in said or who not in stepped):
+                said.setdefault(who, []).append(_own_index(who).sub("#/", _OWN_RANK.sub("rank #", text)))
+    return said
 
 
 _NUMBER = re.compile(r"(\d+)")

@@ -69,7 +69,7 @@ def time_limit_ended_hang(scan: ScanResult, keys: list[StreamKey], root: RootCau
     if stop is not None and stop.source < len(scan.sources):
         # (under `--tee` the workers' last lines can come after the launcher's own stop lines)
         end = max(stop.line, limit.line) if limit.source == stop.source else stop.line
-        rank = _went_on_alone(scan, keys, stop.source, end)
+        rank = went_on_alone(scan, keys, stop.source, end)
     reasons = (f"the stop was a time limit's ({limit.text.strip()[:120]}): the run was still going when it ran "
                "out, stuck, and the limit only ended it",)
     if rank is not None:
@@ -79,7 +79,7 @@ def time_limit_ended_hang(scan: ScanResult, keys: list[StreamKey], root: RootCau
                      reasons)
 
 
-def _went_on_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> int | None:
+def went_on_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> int | None:
     """The one rank whose last line before `end` is not a progress line, where every other rank's
     last line is one, all at the step that rank last reported too."""
     last: dict[int, int | None] = {}       # rank -> the step of its last line (None: not a progress line)

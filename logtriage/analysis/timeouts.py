@@ -7,9 +7,9 @@ source of the broadcast the others waited to receive."""
 from __future__ import annotations
 
 from logtriage.analysis.findings import Finding
+from logtriage.analysis.lost_peers import link_failed_first, still_working, waited_elsewhere
 from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.roots import RankFacts, RootCause, earliest
-from logtriage.analysis.timestamps import clearly_before
 from logtriage.catalog.rule import Category, Role
 from logtriage.rank_ranges import ranges
 
@@ -109,7 +109,7 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
             reasons.append("rank 0 is among them, and rank-0-only work (saving, evaluation, logging) is the "
                            "usual reason one rank is late")
         return RootCause(first.rule, first, 0 if 0 in missing else None, tuple(missing), 0.5, tuple(reasons))
-    broken = _link_failed_first(live, timed_out, first)
+    broken = link_failed_first(live, timed_out, first)
     if broken is not None:
         return RootCause(broken.rule, broken, broken.rank, (broken.rank,), 0.5, (
             f"rank {broken.rank} did not time out: its NCCL connection failed (a peer's link or process) before "
@@ -146,7 +146,7 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
             f"every rank timed out; rank {behind} was behind the others (lowest last step)" if behind in facts.last_step
             else f"ranks {ranges(sorted(timed_out), limit=8)} timed out; rank {behind} never printed a step line, "
                  "which every other rank did: it was behind them all",))
-    lone = _waited_elsewhere(live, timeouts, peer_closed - timed_out) if not missing else None
+    lone = waited_elsewhere(live, timeouts, peer_closed - timed_out) if not missing else None
     if lone is not None:
         # every rank is accounted for, and all but one timed out; that one's wait, in another
         # collective than theirs, ended only when they gave up and closed their connections
@@ -154,6 +154,11 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
             f"ranks {ranges(sorted(timed_out), limit=8)} timed out in a collective; rank {lone} did not time out, "
             f"its own wait ended on their closed connections: it was not in their collective (late, or in another "
             f"one its code took)",))
+    late = still_working(live, timeouts, peer_closed - timed_out, facts) if not missing else None
+    if late is not None:
+        return RootCause(first.rule, first, late, (late,), 0.45, (
+            f"ranks {ranges(sorted(timed_out), limit=8)} timed out in a collective; rank {late} was still printing its "
+            "own progress after their timeouts, then lost its peers: it came to the collective late",))
     absent = absent_node(facts)
     if absent:
         return RootCause(first.rule, first, None, tuple(sorted(timed_out)), 0.35, (
@@ -162,41 +167,6 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
             "others waited for is likely among them",))
     return RootCause(first.rule, first, None, tuple(sorted(timed_out)), 0.35,
                      ("every rank timed out and nothing in the log tells them apart",))
-
-
-# NCCL's own report that a connection to a peer broke (an InfiniBand completion error, a closed
-# socket): not gloo's "Connection closed by peer", which a rank prints when a timed-out peer leaves
-_LINK_RULES = frozenset({"nccl.remote_error"})
-
-
-def _link_failed_first(live: list[Finding], timed_out: set[int], first: Finding) -> Finding | None:
-    """Every rank accounted for: one rank's NCCL transport failed, printed before any timeout, and
-    that rank never timed out itself: its collective broke there, and the others waited for it."""
-    broken = [f for f in live if f.rule.id in _LINK_RULES and f.rank is not None and f.rank not in timed_out
-              and f.seq < first.seq and clearly_before(first.stamp, f.stamp) is not True]
-    ranks = {f.rank for f in broken}
-    return earliest(broken) if len(ranks) == 1 else None
-
-
-def _waited_elsewhere(live: list[Finding], timeouts: list[Finding], closed: set[int]) -> int | None:
-    """The one rank that did not time out but lost its peers, when its traceback shows it in another
-    collective than every timed-out rank's (a barrier only rank 0 entered, while the others sat in
-    DDP's backward): a peer of the waiting ranks in their own collective loses them the same way, unless
-    three or more of them timed out there (their timers all ran out; its own had not: it came late)."""
-    waiters = {f.rank for f in timeouts if f.rank is not None}
-    if len(closed) != 1 or len(waiters) < 2:
-        return None
-    lone = next(iter(closed))
-    places = {f.collective or f.last_frame for f in timeouts if f.rank is not None}
-    own = {f.collective or f.last_frame for f in live if f.rank == lone and f.role is Role.CASCADE_CANDIDATE}
-    if len(waiters) >= 3 and own == places and len(places) == 1 and "" not in places:
-        # (in their one named collective, under three or more waiters: their timers all ran out, and the
-        # one rank whose did not had come to it later than all of them; waiters spread over several
-        # collectives, or a wait with no frame, say nothing of who came late)
-        return lone
-    if "" in places or len(own) != 1 or "" in own or own & places:
-        return None
-    return lone
 
 
 def unseen_ranks(facts: RankFacts) -> frozenset[int]:

@@ -15,7 +15,7 @@ from logtriage.analysis.findings import Finding
 from logtriage.analysis.hangs import EXIT_STALLED
 from logtriage.analysis.refine import at_the_odd_step, stopped_while_waiting_rule
 from logtriage.analysis.roots import RankFacts, RootCause
-from logtriage.analysis.stalls import pieces_before
+from logtriage.analysis.stalls import pieces_before, went_on_alone
 from logtriage.analysis.timestamps import Stamp, parse_stamp
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
@@ -141,6 +141,27 @@ def stopped_before_all_stepped(scan: ScanResult, root: RootCause, findings: list
     return replace(hung, rank=odd, ranks=(odd,), reasons=hung.reasons + (
         f"rank {odd} is the only rank that " + ("printed a step" if odd in stepped else "printed no step")
         + ": it went its own way (a collective skipped or added), and the others waited for it",))
+
+
+def stopped_after_one_went_on(scan: ScanResult, keys: list[StreamKey], root: RootCause, findings: list[Finding],
+                              facts: RankFacts, catalog: Catalog) -> RootCause:
+    """An external stop with nothing failed, STARTUP_SECONDS or more after the launcher started the job,
+    where every rank's last line before it is its progress line at one step but one rank's, which said
+    what it went on to do (`rank 2: recomputing precise BN statistics over 150 batches`): the others
+    waited for it in the next step's collective, and the stop ended that hang."""
+    stop = root.finding
+    if (not _signalled_stop_alone(root, findings) or stop.stamp is None or stop.source >= len(scan.sources)
+            or len(facts.known) < 3):
+        return root
+    rank = went_on_alone(scan, keys, stop.source, stop.line)
+    ran = _seconds_before_stop(scan, stop) if rank is not None else None
+    if ran is None or ran < STARTUP_SECONDS:
+        return root
+    return replace(root, rule=stopped_while_waiting_rule(catalog), rank=rank, ranks=(rank,),
+                   confidence=min(root.confidence, 0.35), reasons=root.reasons + (
+        f"no error, {ran:.0f} s from the job's start to the stop, and every rank's last line before it is its "
+        f"progress line at step {facts.last_step.get(rank)} but rank {rank}'s, which says what it went on to do: the "
+        "others waited for it, and the stop ended the wait",))
 
 
 def _seconds_before_stop(scan: ScanResult, stop: Finding) -> float | None:

@@ -1,0 +1,66 @@
+"""Model buffers synced across ranks, frozen layers and teacher models, and multi-task training, on real CPU
+runs of torch 2.13 (sample_logs/cpu_adhoc, the 99th-101st batches, each labelled before triage ran; the
+test names the run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sample_roots import root_cause, verdict_and_root
+
+
+def test_a_rank_still_printing_after_the_others_timed_out_came_late():
+    # frz_teachercache_np8_r6_pdsh2: two nodes; six ranks time out in DDP's all_reduce at step 3, rank 0 loses
+    # its peers before any timeout is printed, rank 6 prints `step 3 teacher cache 40 shards` below the
+    # timeouts and then loses its peers: it read its teacher cache from slow storage
+    assert verdict_and_root("frz_teachercache_np8_r6_pdsh2") == ("failed", "gloo.timeout", "collective_timeout", 6)
+    assert "still printing its own progress after their timeouts" in " ".join(
+        root_cause("frz_teachercache_np8_r6_pdsh2")["reasons"])
+
+
+@pytest.mark.parametrize("slug, rank", [
+    ("frz_teachercache_np4_r2_plain", 2),   # one rank missing from the timeouts: read as before
+])
+def test_the_one_rank_missing_from_the_timeouts_is_still_read_first(slug, rank):
+    assert verdict_and_root(slug)[3] == rank
+
+
+def test_a_size_abort_goes_to_the_rank_that_said_more_at_start_when_every_first_line_agrees():
+    # bnorm_bufone_np4_r0_plain: every rank's first line lists the same buffers; rank 0 alone then says
+    # `rank 0: DEBUG_ACT_HIST=1, registered act_hist buffer`, and DDP's broadcast from rank 0 aborts ranks 1 and 2
+    # (`2080 vs 1440`, no prefix; torchrun's summary names rank 1)
+    assert verdict_and_root("bnorm_bufone_np4_r0_plain") == ("failed", "gloo.size_mismatch", "collective_mismatch", 0)
+    assert "DEBUG_ACT_HIST=1" in " ".join(root_cause("bnorm_bufone_np4_r0_plain")["reasons"])
+
+
+@pytest.mark.parametrize("slug, expected", [
+    # a buffer of another dtype or shape on one rank: the size abort's rank from its odd first line
+    ("bnorm_bufdtype_np4_r1_plain", ("failed", "gloo.size_mismatch", "collective_mismatch", 1)),
+    ("bnorm_bufshape_np5_r3_tee3", ("failed", "gloo.size_mismatch", "collective_mismatch", 3)),
+    # SyncBatchNorm on CPU, on one rank
+    ("bnorm_syncbn1_np5_r3_tee3", ("failed", "ddp.syncbn_usage", "ddp_usage", 3)),
+    # adapters injected on one rank only: DDP's construction check
+    ("frz_adapterrank_np5_r3_plain", ("failed", None, "ddp_usage", 3)),
+    # one task's dataset exhausted first on one rank
+    ("mtask_exhaust_np4_r1_tee3", ("failed", None, "python_exception", 1)),
+])
+def test_buffers_adapters_and_tasks_read_as_labelled(slug, expected):
+    got = verdict_and_root(slug)
+    assert (got[0], got[2], got[3]) == (expected[0], expected[2], expected[3])
+    if expected[1]:
+        assert got[1] == expected[1]
+
+
+def test_an_outside_stop_after_one_rank_went_on_alone_is_a_hang_at_that_rank():
+    # bnorm_pbnhang_np4_r2_hang: `timeout 40`, no error; ranks 0, 1, 3 end on `step 2 loss ...`, rank 2 on
+    # `rank 2: recomputing precise BN statistics over 150 batches` (its prefetch queue ran dry), 39 s after the start
+    assert verdict_and_root("bnorm_pbnhang_np4_r2_hang") == ("hung", "hang.stopped_while_waiting", "hang", 2)
+    # mtask_rejectloop_np3_rall_hang: every rank's last line is its step-5 line: no rank went on alone, the stop
+    # stays an outside one
+    assert verdict_and_root("mtask_rejectloop_np3_rall_hang")[2] == "external_stop"
+
+
+def test_an_earlier_size_abort_moves_to_the_rank_that_alone_loaded_weights():
+    # pre_bcastshape_np4_r0_plain (84th batch): every rank's first line alike, rank 0's second `rank 0 loaded
+    # pretrained weights from ...`; its broadcast of a wider head aborts ranks 1 and 2 (`640 vs 256`)
+    assert verdict_and_root("pre_bcastshape_np4_r0_plain") == ("failed", "gloo.size_mismatch", "collective_mismatch", 0)
