@@ -64,3 +64,33 @@ def test_an_earlier_size_abort_moves_to_the_rank_that_alone_loaded_weights():
     # pre_bcastshape_np4_r0_plain (84th batch): every rank's first line alike, rank 0's second `rank 0 loaded
     # pretrained weights from ...`; its broadcast of a wider head aborts ranks 1 and 2 (`640 vs 256`)
     assert verdict_and_root("pre_bcastshape_np4_r0_plain") == ("failed", "gloo.size_mismatch", "collective_mismatch", 0)
+
+
+@pytest.mark.parametrize("slug, rank", [
+    # every rank resumes; one loads a plain SGD state into the Adam-based ZeroRedundancyOptimizer, and Adam's
+    # first step asks it for `exp_avg` (the others lose that rank in ZeRO's parameter broadcasts)
+    ("zro_wrongtype_np4_r0_tee", 0),
+    ("zro_wrongtype_np5_r3_loglevel", 3),
+])
+def test_an_optimizer_state_key_missing_at_step_is_another_optimizers_checkpoint(slug, rank):
+    assert verdict_and_root(slug) == ("failed", "ckpt.optimizer_state_mismatch", "checkpoint", rank)
+
+
+def test_adams_state_key_is_no_missing_report_field():
+    from logtriage.catalog.loader import load_catalog
+    from logtriage.catalog.matcher import match_line
+    catalog = load_catalog()
+
+    def rules(text: str) -> list[str]:
+        return [h.rule.id for h in match_line(catalog, text)]
+    assert rules("KeyError: 'exp_avg'")[0] == "ckpt.optimizer_state_mismatch"
+    assert "report.missing_field" not in rules("KeyError: 'exp_avg'")
+    assert "report.missing_field" in rules("KeyError: 'grad_norm_mean'")
+    assert "report.missing_field" in rules("KeyError: 'top_avg'")
+
+
+def test_zero_redundancy_optimizers_overlap_without_ddps_hook_is_a_ddp_usage_error_of_every_rank():
+    # zro_overlap_np4_rall_plain: overlap_with_ddp=True and no hook_with_zero_step; step() only warns, then
+    # consolidate_state_dict raises on all four ranks
+    assert verdict_and_root("zro_overlap_np4_rall_plain")[:3] == ("failed", "ddp.reducer_usage", "ddp_usage")
+    assert root_cause("zro_overlap_np4_rall_plain")["ranks"] == [0, 1, 2, 3]   # the same error on every rank
