@@ -94,3 +94,28 @@ def test_zero_redundancy_optimizers_overlap_without_ddps_hook_is_a_ddp_usage_err
     # consolidate_state_dict raises on all four ranks
     assert verdict_and_root("zro_overlap_np4_rall_plain")[:3] == ("failed", "ddp.reducer_usage", "ddp_usage")
     assert root_cause("zro_overlap_np4_rall_plain")["ranks"] == [0, 1, 2, 3]   # the same error on every rank
+
+
+@pytest.mark.parametrize("slug, rank", [
+    # every rank raises `loss is nan` after the advantage all_reduce; only one rank's rollout line said `reward inf`
+    ("rlroll_logreward_np4_r3_plain", 3),
+    ("rlroll_logreward_np5_r1_tee", 1),        # (--tee: its stdout line comes after the tracebacks)
+    ("rlroll_lognocheck_np4_r0_plain", 0),     # (then every rank's `loss nan`: a name all ranks print non-finite)
+])
+def test_the_one_rank_that_printed_a_value_as_inf_started_a_shared_numerical_error(slug, rank):
+    verdict, _, category, got = verdict_and_root(slug)
+    assert (verdict, category, got) == ("failed", "numerical", rank)
+
+
+def test_a_script_line_that_starts_with_rank_n_update_names_its_rank():
+    from logtriage.demux.line_marks import find_rank_marker
+    assert find_rank_marker("rank 3 update 1 rollout steps 48 episodes 2 reward inf") == 3
+    assert find_rank_marker("ranking update 1") is None
+
+
+def test_a_distributions_check_that_refused_finite_values_is_the_programs_error_not_a_nan():
+    # rlroll_catneg_np4_r1_plain: Categorical(probs=...) with a negative entry, printed below the error as
+    # `tensor([ 0.4234,  0.6182, -0.0416])`
+    assert verdict_and_root("rlroll_catneg_np4_r1_plain") == ("failed", "python.exception", "python_exception", 1)
+    # rlroll_nanobs_np4_r2_plain: the same check refusing `tensor([nan, nan, nan])` stays numerical
+    assert verdict_and_root("rlroll_nanobs_np4_r2_plain") == ("failed", "numerical.nonfinite_value", "numerical", 2)

@@ -24,6 +24,7 @@ from logtriage.analysis.hangs import (
     world_incomplete,
 )
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid, shared_gpu
+from logtriage.analysis.invalid_values import finite_invalid_values
 from logtriage.analysis.loss_outlier import loss_outlier_rank
 from logtriage.analysis.odd_start import odd_start_rank
 from logtriage.analysis.recovered import (GROUP_SUCCEEDED, caught_then_finished, relaunched_then_finished,
@@ -134,6 +135,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = probe_json_without_banner(root, bool(scan.banner_lines), catalog)
         root = odd_dtype_rank(different_collectives_at_one_seq(root, findings, catalog), scan, keys)
         root = loss_outlier_rank(scan, keys, p2p_sender_rank(root, findings))
+        root = finite_invalid_values(scan, root, catalog)
         root = watchdog_spared_rank(root, findings, facts)
         root = store_wait_after_progress(root, findings, facts, first_progress(stream_stats), catalog)
         root = own_server_port_taken(root, findings, catalog)

@@ -1,7 +1,9 @@
 """A non-finite loss that every rank (or the wrong one) reports can start in one rank's data: its
 progress lines show its loss leaving the others' by orders of magnitude a step or more before any
 rank raised (`rank 2 step 3 loss 1848.8` where the others print 1.4), and the all-reduce then
-spread the blow-up to every rank. That rank's data or settings started it."""
+spread the blow-up to every rank. That rank's data or settings started it. So did the one rank
+whose own lines print a value as inf or nan (`rank 3 update 1 rollout ... reward inf`) under a name
+every other rank prints finite values for, when several ranks raised the same numerical error."""
 
 from __future__ import annotations
 
@@ -44,7 +46,42 @@ def loss_outlier_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause) 
             *root.reasons, f"rank {rank}'s loss at step {step} was {value:g} where every other rank's was at most "
             f"{max(others):g}: its loss left the others' first, and the all-reduce spread the blow-up from there "
             "(its data, its batch, its settings)"))
-    return root
+    return _nonfinite_named_value(scan, keys, root)
+
+
+# a value a rank prints by name: `reward inf`, `ret=-1.2`, `grad_norm: nan`
+_NAMED_VALUE = re.compile(r"\b([A-Za-z_][\w.]*)\s*[=:]?\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)(?![\w.])",
+                          re.IGNORECASE)
+_NOT_PROGRESS = re.compile(r"Error\b|Exception\b|Traceback|Warning\b")
+AFTER = 80   # lines after the error read too: a rank's buffered stdout comes after its traceback (`--tee`)
+
+
+def _nonfinite_named_value(scan: ScanResult, keys: list[StreamKey], root: RootCause) -> RootCause:
+    """Several ranks raised the same numerical error; the one rank that printed a named value as inf or
+    nan, where every other rank (at least MIN_OTHERS) printed that name with finite values only, started it."""
+    f = root.finding
+    if len(root.ranks) < MIN_OTHERS:
+        return root
+    finite: dict[str, dict[int, bool]] = {}      # name -> rank -> all its values finite
+    for _, _, rank, piece in pieces_before(scan, keys, f.source, f.line + AFTER):
+        if rank is None or _NOT_PROGRESS.search(piece):
+            continue
+        for name, value in _NAMED_VALUE.findall(piece):
+            ok = math.isfinite(float(value))
+            seen = finite.setdefault(name.lower(), {})
+            seen[rank] = seen.get(rank, True) and ok
+    odd = {next(r for r, ok in by_rank.items() if not ok) for by_rank in finite.values()
+           if sum(not ok for ok in by_rank.values()) == 1 and sum(by_rank.values()) >= MIN_OTHERS}
+    if len(odd) != 1:
+        return root
+    rank = odd.pop()
+    if rank == root.rank:
+        return root
+    names = sorted(n for n, by_rank in finite.items() if by_rank.get(rank) is False
+                   and sum(not ok for ok in by_rank.values()) == 1 and sum(by_rank.values()) >= MIN_OTHERS)
+    return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.5), reasons=(
+        *root.reasons, f"rank {rank} alone printed its {', '.join(names[:3])} as inf or nan, where every other rank "
+        "printed finite values: the non-finite value started on it, and the all-reduce spread it"))
 
 
 def _left_the_others(at_step: dict[int, float]) -> int | None:

@@ -19,7 +19,7 @@ _LEVELS = "INFO|WARNING|WARN|ERROR|DEBUG|CRITICAL|FATAL"
 PROGRESS_WORDS = ("step", "epoch", "iter", "iteration", "loss", "batch", "done", "finished", "training", "train",
                   "eval", "evaluation", "saved", "saving", "loading", "world", "error", "warning", "exiting",
                   "starting", "started", "trial", "sweep", "stage", "node", "mesh", "model", "config", "shards",
-                  "building", "wrapped", "loaded", "restored", "resuming", "heartbeat", "waiting", "final")
+                  "building", "wrapped", "loaded", "restored", "resuming", "heartbeat", "waiting", "final", "update")
 # ASCII classes (`\b`, `\s`) as the fast-scan kernel reads bytes: `rank:0é` names rank 0 in both
 _RANK_MARKERS = (
     re.compile(r"\[\s*(?:global[_ ])?rank\s*[:=#]?\s*(\d{1,9})\s*(?:/\s*\d+\s*)?\]", re.IGNORECASE | re.ASCII),

@@ -1,0 +1,54 @@
+"""A distribution's argument check (`Expected parameter probs (Tensor of shape (3,)) of distribution
+Categorical(...) to satisfy the constraint Simplex(), but found invalid values:`) prints the values it
+refused on the lines below it. Where those are all finite numbers (a negative probability, a row that
+does not sum to one, a scale below zero), the program's own arithmetic made them: a Python error in the
+program, not a NaN or inf that reached the check."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+from logtriage.analysis.roots import RootCause
+from logtriage.analysis.stopped import message_of
+from logtriage.catalog.loader import Catalog
+from logtriage.ingest.lines import read_lines
+from logtriage.scan_result import ScanResult
+
+CHECK_RULE = "numerical.nonfinite_value"
+SHOWN_LINES = 8          # the refused tensor's lines read below the error
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+_NONFINITE = re.compile(r"\b(?:nan|inf)\b", re.IGNORECASE)
+
+
+def finite_invalid_values(scan: ScanResult, root: RootCause, catalog: Catalog) -> RootCause:
+    """numerical.nonfinite_value from a distribution's check whose refused values are all finite is
+    python.exception: the values broke the constraint, not finiteness."""
+    f = root.finding
+    if root.rule.id != CHECK_RULE or f is None or "distribution" not in f.captures or f.source >= len(scan.sources):
+        return root
+    shown = _refused_values(scan, f.source, f.line)
+    if not shown or _NONFINITE.search(shown) or not _NUMBER.search(shown):
+        return root
+    rule = catalog.get("python.exception")
+    if rule is None:
+        return root
+    return replace(root, rule=rule, reasons=root.reasons + (
+        f"the values the {f.captures['distribution']} check refused are all finite (`{shown[:80]}`): they break "
+        f"its constraint ({f.captures.get('constraint', '?')}), which the program's own arithmetic did, not a NaN "
+        "or inf",))
+
+
+def _refused_values(scan: ScanResult, source: int, line: int) -> str:
+    """The tensor printed below the error (`tensor([ 0.4234,  0.6182, -0.0416])`), over as many lines as it takes."""
+    numbers = list(range(line + 1, line + 1 + SHOWN_LINES))
+    texts = read_lines(scan.sources[source], scan.indexes[source], numbers)
+    shown: list[str] = []
+    for number in numbers:
+        text = message_of(texts.get(number, ""))
+        if not shown and not text.startswith("tensor("):
+            return ""
+        shown.append(text)
+        if text.rstrip().endswith(")"):
+            return " ".join(shown)
+    return ""
