@@ -7,9 +7,8 @@ program, not a NaN or inf that reached the check."""
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
-from logtriage.analysis.roots import RootCause
+from logtriage.analysis.roots import RootCause, read_as
 from logtriage.analysis.stopped import message_of
 from logtriage.catalog.loader import Catalog
 from logtriage.ingest.lines import read_lines
@@ -17,7 +16,6 @@ from logtriage.scan_result import ScanResult
 
 CHECK_RULE = "numerical.nonfinite_value"
 SHOWN_LINES = 8          # the refused tensor's lines read below the error
-_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 _NONFINITE = re.compile(r"\b(?:nan|inf)\b", re.IGNORECASE)
 
 
@@ -28,15 +26,12 @@ def finite_invalid_values(scan: ScanResult, root: RootCause, catalog: Catalog) -
     if root.rule.id != CHECK_RULE or f is None or "distribution" not in f.captures or f.source >= len(scan.sources):
         return root
     shown = _refused_values(scan, f.source, f.line)
-    if not shown or _NONFINITE.search(shown) or not _NUMBER.search(shown):
+    if not shown or _NONFINITE.search(shown) or not any(c.isdigit() for c in shown):
         return root
-    rule = catalog.get("python.exception")
-    if rule is None:
-        return root
-    return replace(root, rule=rule, reasons=root.reasons + (
+    return read_as(root, catalog, "python.exception", (
         f"the values the {f.captures['distribution']} check refused are all finite (`{shown[:80]}`): they break "
         f"its constraint ({f.captures.get('constraint', '?')}), which the program's own arithmetic did, not a NaN "
-        "or inf",))
+        "or inf"))
 
 
 def _refused_values(scan: ScanResult, source: int, line: int) -> str:

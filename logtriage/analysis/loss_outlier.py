@@ -18,7 +18,8 @@ from logtriage.demux.streams import StreamKey
 from logtriage.scan_result import ScanResult, step_number
 
 # a progress line's loss value: `loss 1.38`, `loss=1848.8191`, `loss: nan`
-_LOSS = re.compile(r"\bloss\b\s*[=:]?\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)\b", re.IGNORECASE)
+_VALUE = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"   # a printed number, or nan/inf
+_LOSS = re.compile(r"\bloss\b\s*[=:]?\s*" + _VALUE + r"\b", re.IGNORECASE)
 APART = 100.0        # a loss this many times the others' largest at the same step has left them
 AGREE = 10.0         # the others' losses at that step lie within this factor of each other
 MIN_OTHERS = 2
@@ -50,8 +51,7 @@ def loss_outlier_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause) 
 
 
 # a value a rank prints by name: `reward inf`, `ret=-1.2`, `grad_norm: nan`
-_NAMED_VALUE = re.compile(r"\b([A-Za-z_][\w.]*)\s*[=:]?\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)(?![\w.])",
-                          re.IGNORECASE)
+_NAMED_VALUE = re.compile(r"\b([A-Za-z_][\w.]*)\s*[=:]?\s*" + _VALUE + r"(?![\w.])", re.IGNORECASE)
 _NOT_PROGRESS = re.compile(r"Error\b|Exception\b|Traceback|Warning\b")
 AFTER = 80   # lines after the error read too: a rank's buffered stdout comes after its traceback (`--tee`)
 
@@ -70,15 +70,14 @@ def _nonfinite_named_value(scan: ScanResult, keys: list[StreamKey], root: RootCa
             ok = math.isfinite(float(value))
             seen = finite.setdefault(name.lower(), {})
             seen[rank] = seen.get(rank, True) and ok
-    odd = {next(r for r, ok in by_rank.items() if not ok) for by_rank in finite.values()
-           if sum(not ok for ok in by_rank.values()) == 1 and sum(by_rank.values()) >= MIN_OTHERS}
-    if len(odd) != 1:
+    lone = {name: next(r for r, ok in by_rank.items() if not ok) for name, by_rank in finite.items()
+            if sum(not ok for ok in by_rank.values()) == 1 and sum(by_rank.values()) >= MIN_OTHERS}
+    if len(set(lone.values())) != 1:
         return root
-    rank = odd.pop()
+    rank = next(iter(lone.values()))
     if rank == root.rank:
         return root
-    names = sorted(n for n, by_rank in finite.items() if by_rank.get(rank) is False
-                   and sum(not ok for ok in by_rank.values()) == 1 and sum(by_rank.values()) >= MIN_OTHERS)
+    names = sorted(lone)
     return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.5), reasons=(
         *root.reasons, f"rank {rank} alone printed its {', '.join(names[:3])} as inf or nan, where every other rank "
         "printed finite values: the non-finite value started on it, and the all-reduce spread it"))

@@ -4,7 +4,7 @@ order)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from logtriage.analysis.findings import Finding
@@ -57,6 +57,12 @@ class RankFacts:
     reported_shapes: dict[int, str] = field(default_factory=dict)
     # a rank stream -> (source, first line, last line, last text) of its progress lines (`step 5 loss ...`)
     last_progress: dict = field(default_factory=dict)
+
+
+def read_as(root: RootCause, catalog, rule_id: str, reason: str) -> RootCause:
+    """The root read as another rule of the catalog, with the reason why (unchanged where the catalog lacks it)."""
+    rule = catalog.get(rule_id)
+    return root if rule is None else replace(root, rule=rule, reasons=root.reasons + (reason,))
 
 
 def earliest(findings: list[Finding]) -> Finding:

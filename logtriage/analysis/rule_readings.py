@@ -13,7 +13,7 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
-from logtriage.analysis.roots import RootCause
+from logtriage.analysis.roots import RootCause, read_as
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
 from logtriage.rank_ranges import ranges
@@ -62,12 +62,9 @@ def group_destroyed(root: RootCause, trained: set[int], catalog: Catalog) -> Roo
     progress; one process trained alone is a run without a launcher.)"""
     if root.rule.id != PG_NOT_INITIALIZED or root.rank not in trained or len(trained) < 2:
         return root
-    rule = catalog.get("python.exception")
-    if rule is None:
-        return root
-    return replace(root, rule=rule, reasons=root.reasons + (
+    return read_as(root, catalog, "python.exception", (
         f"rank {root.rank} had trained together with ranks {ranges(sorted(trained - {root.rank}), limit=8)}: the "
-        "process group existed and was destroyed before this call (destroy_process_group too early)",))
+        "process group existed and was destroyed before this call (destroy_process_group too early)"))
 
 
 TIMER_REAPED_RULE = "hang.elastic_timer_expired"
