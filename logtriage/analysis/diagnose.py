@@ -45,6 +45,7 @@ from logtriage.analysis.rpc_origin import remote_origin
 from logtriage.analysis.signal_readings import (
     agent_sigkills,
     hangup_forwarded,
+    notices_in_teardown,
     sigkill_on_gpu_job,
     stop_after_task_failure,
     stop_for_memory,
@@ -92,6 +93,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     failures = parse_child_failures(scan.launcher_lines)
     findings = agent_sigkills(unsent_sigterms(attribute_by_nccl_pid(resolve_findings(scan, keys, failures)), catalog,
                                               frozenset(scan.facts.teardown_pids)), catalog)
+    findings = notices_in_teardown(findings)
     stream_stats = merge_stats(scan, keys)
     facts = rank_facts(stream_stats, failures, findings, scan.world_size, frozenset(scan.facts.teardown_pids))
     root = choose_root(findings, facts)

@@ -16,7 +16,7 @@ from logtriage.analysis.childfailed import ChildFailure
 from logtriage.analysis.exception_names import exception_type_of, shadowing_file, short_type
 from logtriage.analysis.findings import Finding, mask_numbers
 from logtriage.analysis.hangs import fallback_rule
-from logtriage.analysis.roots import RootCause
+from logtriage.analysis.roots import RootCause, read_as
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.matcher import match_line
 from logtriage.catalog.rule import Category, Role
@@ -133,72 +133,72 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
         return root
     kind = short_type(f.exception_type)
     if kind == "ZeroDivisionError" and root.rule.id in GENERIC_RULES and f.last_frame in GPU_COUNT_FRAMES:
-        rule, why = catalog.get("cuda.no_device"), (
+        rule_id, why = "cuda.no_device", (
             f"the division by zero is in `{f.last_frame}`, which takes the rank modulo torch.cuda.device_count(): "
             "the process saw no GPU")
     elif kind == "ValueError" and root.rule.id in GENERIC_RULES and f.last_frame in LAUNCHER_OPTION_FRAMES:
-        rule, why = catalog.get("launcher.torchrun_usage"), (
+        rule_id, why = "launcher.torchrun_usage", (
             f"the ValueError is raised in torchrun's `{f.last_frame}`, which parses its own options: a launcher "
             "option has a bad value (often a script argument that landed in its place)")
     elif kind == "EOFError" and root.rule.id == "ckpt.corrupt_archive" and f.last_frame == SPAWN_CHILD_FRAME:
-        rule, why = catalog.get("python.exception"), (
+        rule_id, why = "python.exception", (
             "the EOFError is raised in multiprocessing's spawn `_main`, where a child unpickles what its parent "
             "sent: the parent failed to pickle the process's arguments (a lambda, a local class, an open file)")
     elif (root.rule.id in ("cuda.driver_unusable", "cuda.error") and "initialization error" in f.text
           and _LOADER_WORKER.search(f.block_exception)):
-        rule, why = catalog.get("cuda.forked_subprocess"), (
+        rule_id, why = "cuda.forked_subprocess", (
             "CUDA's initialization error was raised in a DataLoader worker: workers are forked from a process "
             "that had already initialised CUDA, and a forked child cannot use it")
     elif kind == "AttributeError" and root.rule.id in GENERIC_RULES and (caller := _other_packages_api(f)):
-        rule, why = catalog.get("env.package_api_missing"), (
+        rule_id, why = "env.package_api_missing", (
             f"the missing attribute is looked up in the installed package `{caller}`, not in "
             "the job's own code: that package was written for another version of the module it calls")
     elif (root.rule.id == "host.cpu_alloc" and f.collective in OBJECT_COLLECTIVES
           and int(f.captures.get("bytes") or 0) >= GARBAGE_SIZE_BYTES):
-        rule, why = catalog.get("dist.collective_mismatch"), (
+        rule_id, why = "dist.collective_mismatch", (
             f"`{f.collective}` asked for {int(f.captures['bytes']) / (1 << 40):,.0f} TiB for one object's buffer: "
             "the size it received was not a size, so the ranks' object collectives did not line up (another list "
             "length, another call)")
     elif (kind in _HALF_WRITTEN and root.rule.id in GENERIC_RULES | {"ckpt.corrupt_archive", PROBE_JSON_RULE}
           and _COMPILE_CACHE_FILE.search(f.last_file)):
-        rule, why = catalog.get("data.cache_race"), (
+        rule_id, why = "data.cache_race", (
             f"the {kind} was raised reading torch.compile's on-disk cache (`{f.last_frame}` in Inductor's cache "
             "code): another rank on the node was writing the same entry, so it read half a file")
     elif kind == "KeyError" and root.rule.id in GENERIC_RULES and f.last_frame == OPTIM_STATE_FRAME \
             and f.last_file.endswith("distributed/checkpoint/state_dict.py"):
-        rule, why = catalog.get("ddp.fsdp_optimizer_params"), (
+        rule_id, why = "ddp.fsdp_optimizer_params", (
             "the KeyError is raised in DCP's `_get_optim_state_dict`, which maps the optimizer's parameters to the "
             "model's: the optimizer holds parameters the (sharded) model does not, as when it was built before "
             "FSDP or fully_shard replaced them")
     elif kind == "FileNotFoundError" and root.rule.id in GENERIC_RULES and f.last_file.endswith("/tempfile.py"):
-        rule, why = catalog.get("env.tmpdir_missing"), (
+        rule_id, why = "env.tmpdir_missing", (
             f"the FileNotFoundError is raised in tempfile's `{f.last_frame}`, which creates a temporary file in a "
             "folder that does not exist: TMPDIR (or the dir= passed, often built from it) names a missing folder")
     elif kind == "FileExistsError" and root.rule.id in GENERIC_RULES and f.last_file.endswith("/shared_memory.py"):
-        rule, why = catalog.get("host.shm_name_taken"), (
+        rule_id, why = "host.shm_name_taken", (
             f"the FileExistsError is raised in multiprocessing's shared_memory (`{f.last_frame}`) creating a named "
             "block: one of that name already exists in /dev/shm (another job on the node, or a run that never "
             "unlinked it)")
     elif kind == "BlockingIOError" and root.rule.id in GENERIC_RULES and _FORK_FRAME.search(f.last_file):
-        rule, why = catalog.get("host.thread_limit"), (
+        rule_id, why = "host.thread_limit", (
             f"the BlockingIOError (EAGAIN) is raised in `{f.last_frame}`, where the process forks a child: the "
             "host's or container's limit on processes/threads was reached (a DataLoader worker, a subprocess)")
     elif root.rule.id == "ckpt.write_failed" and f.last_frame and not f.checkpoint_frame and _DISK_FULL.search(f.text):
-        rule, why = catalog.get("host.filesystem_error"), (
+        rule_id, why = "host.filesystem_error", (
             f"the disk filled up in `{f.last_frame}`, outside any checkpoint code (no save frame): another "
             "writer, /tmp or /dev/shm, ran out of space")
     elif kind == "ImportError" and root.rule.id in GENERIC_RULES | {"python.module_not_found"} and (
             shadow := shadowing_file(f.text)):
-        rule, why = catalog.get("python.module_shadowed"), (
+        rule_id, why = "python.module_shadowed", (
             f"`{shadow}` is a file of the job's own where the standard library's module of that name should be: "
             "it hides that module from every import of it, torch's own included")
     elif kind == "EOFError" and root.rule.id == "ckpt.corrupt_archive" and f.last_frame and not f.checkpoint_frame:
-        rule, why = catalog.get("python.exception"), (
+        rule_id, why = "python.exception", (
             f"the EOFError is raised in `{f.last_frame}`, and no frame of its traceback saves or loads a checkpoint "
             "(torch.load, a checkpoint function): an empty pickle of the program's own (a cache, a data file)")
     else:
         return root
-    return root if rule is None else replace(root, rule=rule, reasons=root.reasons + (why,))
+    return read_as(root, catalog, rule_id, why)
 
 
 def _other_packages_api(f: Finding) -> str:

@@ -6,9 +6,8 @@ that is no system or library header. That is a bug in the job's code, not its en
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
-from logtriage.analysis.roots import RootCause
+from logtriage.analysis.roots import RootCause, read_as
 from logtriage.analysis.stopped import message_of
 from logtriage.catalog.loader import Catalog
 from logtriage.ingest.lines import read_lines
@@ -27,8 +26,7 @@ _NOT_OWN = re.compile(r"^/usr/|/include/|site-packages/|dist-packages/|/cuda[-\d
 def own_source_compile_error(scan: ScanResult, root: RootCause, catalog: Catalog) -> RootCause:
     """An extension build failure whose first compiler error is in the extension's own source."""
     found = root.finding
-    rule = catalog.get(OWN_SOURCE_RULE)
-    if root.rule.id != BUILD_RULE or found is None or rule is None or "Error building extension" not in found.text \
+    if root.rule.id != BUILD_RULE or found is None or "Error building extension" not in found.text \
             or found.source >= len(scan.sources):
         return root
     numbers = list(range(found.line, found.line + MESSAGE_REACH))
@@ -37,6 +35,6 @@ def own_source_compile_error(scan: ScanResult, root: RootCause, catalog: Catalog
         or _COMPILE_ERROR.search(found.text)
     if error is None or _NOT_OWN.search(error["file"]):
         return root
-    return replace(root, rule=rule, reasons=root.reasons + (
+    return read_as(root, catalog, OWN_SOURCE_RULE, (
         f"the compiler stopped on an error in the extension's own source ({error['file'].rsplit('/', 1)[-1]} line "
-        f"{error['line']}: {error['what'][:100]}): the toolchain ran, the code does not compile",))
+        f"{error['line']}: {error['what'][:100]}): the toolchain ran, the code does not compile"))

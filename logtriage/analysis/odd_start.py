@@ -16,11 +16,11 @@ from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.stalls import pieces_before
 from logtriage.analysis.stopped import PDSH_HOST
 from logtriage.catalog.rule import Category
+from logtriage.demux.line_marks import OWN_RANK
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.scan_result import ScanResult, step_number
 
 HEAD = 160          # lines of the input read for each rank's first line
-_OWN_RANK = re.compile(r"\b(?:rank|RANK|Rank)[ =:]*(\d+)")
 # a rank's error or warning, or the agent's summary field, not how a rank started
 _NOT_START = re.compile(r"Traceback|Error\b|Warning\b|\(local_rank: \d+\)")
 _UNNAMED = (Category.COLLECTIVE_TIMEOUT, Category.HANG)
@@ -60,12 +60,12 @@ def _start_lines(scan: ScanResult, keys: list[StreamKey]) -> dict[int, list[str]
         if key.kind is StreamKind.LAUNCHER:
             continue     # the agent's own lines (its summary's `rank      : 3 (local_rank: 3)`)
         for who, text in _own_lines(rank, PDSH_HOST.sub("", piece.strip())):
-            if who is None or not _OWN_RANK.match(text):   # a line that starts by naming its rank
+            if who is None or not OWN_RANK.match(text):   # a line that starts by naming its rank
                 continue
             if step_number(text) is not None:
                 stepped.add(who)
             elif not _NOT_START.search(text) and (who not in said or who not in stepped):
-                said.setdefault(who, []).append(_own_index(who).sub("#/", _OWN_RANK.sub("rank #", text)))
+                said.setdefault(who, []).append(_own_index(who).sub("#/", OWN_RANK.sub("rank #", text)))
     return said
 
 
@@ -91,10 +91,32 @@ def _own_index(rank: int) -> re.Pattern:
 def _own_lines(rank: int | None, text: str) -> list[tuple[int | None, str]]:
     """A line as (rank, text) pieces: two ranks' start lines glued on one line (`... ('dp', 'tp')rank 3 world 4
     ...`) are two, each the rank its own `rank N` names; an unattributed line starting `rank N` is rank N's."""
-    marks = list(_OWN_RANK.finditer(text))
+    marks = list(OWN_RANK.finditer(text))
     if len(marks) < 2 or marks[0].start() != 0:
         if rank is None and marks and marks[0].start() == 0:
             return [(int(marks[0].group(1)), text)]   # a line no prefix gave a rank, that names its own
         return [(rank, text)]
     cuts = [m.start() for m in marks] + [len(text)]
     return [(int(m.group(1)), text[a:b].strip()) for m, a, b in zip(marks, cuts, cuts[1:])]
+
+
+def odd_line_out(said: dict[int, str]) -> int | None:
+    """The one rank whose line (`rank 3 step 3 surgery: wrote ready_4_3, waiting`) differs from every
+    other rank's, where those all agree (`rank 0 ... wrote ready_3_0, waiting`): two ranks' lines agree
+    where their words are the same and each number is the same or is each line's own rank. Three ranks
+    at least, so that the others' agreement means something."""
+    if len(said) < 3:
+        return None
+    pieces = {rank: _NUMBER.split(text) for rank, text in said.items()}
+    odd = [rank for rank in said if not any(_agree(rank, pieces[rank], other, pieces[other])
+                                            for other in said if other != rank)]
+    if len(odd) != 1:
+        return None
+    rest = [rank for rank in said if rank != odd[0]]
+    return odd[0] if all(_agree(a, pieces[a], b, pieces[b]) for a in rest for b in rest if a < b) else None
+
+
+def _agree(rank: int, mine: list[str], other: int, theirs: list[str]) -> bool:
+    if len(mine) != len(theirs) or mine[0::2] != theirs[0::2]:
+        return False
+    return all(a == b or (int(a) == rank and int(b) == other) for a, b in zip(mine[1::2], theirs[1::2]))

@@ -184,13 +184,15 @@ def model_odd_one_out(live: list[Finding]) -> int | None:
 
 def _named_by_rank(live: list[Finding], rule_id: str, own: tuple[str, ...], other: tuple[str, ...]) -> dict[int, tuple]:
     """What a rule's lines say of their own rank (the `own` captures) and of the other rank they
-    name (the `other` captures), by rank; the first saying of each rank counts."""
+    name (the `other` captures), by rank: a rank's own first saying, else the first another rank
+    says of it (DETAIL's check of a barrier against rank 0 names rank 0's `GATHER` of sequence
+    number 0, not the collective rank 0 itself reports)."""
+    lines = [f.captures for f in live if f.rule.id == rule_id and "self_rank" in f.captures
+             and "other_rank" in f.captures]
     values: dict[int, tuple] = {}
-    for f in live:
-        c = f.captures
-        if f.rule.id != rule_id or "self_rank" not in c or "other_rank" not in c:
-            continue
+    for c in lines:
         values.setdefault(int(c["self_rank"]), tuple(c.get(k) for k in own))
+    for c in lines:
         values.setdefault(int(c["other_rank"]), tuple(c.get(k) for k in other))
     return values
 

@@ -42,12 +42,11 @@ def bootstrap_layout_mismatch(root: RootCause, catalog: Catalog) -> RootCause:
     16 vs 16, ... offset -340262910 vs 0`) is a peer whose NCCL build lays that info out
     otherwise: the nodes run different NCCL versions."""
     captures = root.finding.captures if root.finding is not None else {}
-    rule = catalog.get("nccl.version_mismatch")
-    if rule is None or not captures.get("nranks") or captures.get("nranks") != captures.get("other_nranks"):
+    if not captures.get("nranks") or captures.get("nranks") != captures.get("other_nranks"):
         return root
-    return replace(root, rule=rule, reasons=root.reasons + (
+    return read_as(root, catalog, "nccl.version_mismatch", (
         f"the bootstrap root's processes agree on the world size ({captures['nranks']}) but not on the "
-        "rest of their info: a peer's NCCL lays it out otherwise, so the nodes run different NCCL builds",))
+        "rest of their info: a peer's NCCL lays it out otherwise, so the nodes run different NCCL builds"))
 
 
 PG_NOT_INITIALIZED = "dist.pg_not_initialized"
@@ -122,12 +121,11 @@ def oom_on_shared_gpu(root: RootCause, ranks: int, catalog: Catalog) -> RootCaus
         return root
     heavy = sorted(int(pid) for pid, size, unit in OOM_HOLDER.findall(root.finding.text)
                    if float(size) * _UNIT[unit] >= WORKING_SET)
-    rule = catalog.get(SHARED_GPU_RULE)
-    if len(heavy) < 2 or heavy[-1] - heavy[0] > 8 * len(heavy) or rule is None:
+    if len(heavy) < 2 or heavy[-1] - heavy[0] > 8 * len(heavy):
         return root
-    return replace(root, rule=rule, reasons=root.reasons + (
+    return read_as(root, catalog, SHARED_GPU_RULE, (
         f"the OOM message lists {len(heavy)} processes with neighbouring PIDs ({heavy[0]}-{heavy[-1]}) each holding "
-        "a GiB or more on this GPU: the job's own ranks share it",))
+        "a GiB or more on this GPU: the job's own ranks share it"))
 
 
 # torch/distributed/checkpoint/api.py: `CheckpointException ranks:dict_keys([2])`

@@ -51,18 +51,22 @@ def _build_reraised(findings: list[Finding]) -> list[Finding]:
 
 
 _GOING_ON = re.compile(r"\b(?:continu(?:e|es|ing)|retry(?:ing)?|will retry|skipp(?:ing|ed)|fall(?:ing)? ?back"
-                       r"|ignor(?:e|es|ed|ing)|disabled|without (?:metrics|logging|telemetry|wandb|tensorboard))\b",
-                       re.IGNORECASE)
+                       r"|ignor(?:e|es|ed|ing)|disabled|without (?:metrics|logging|telemetry|wandb|tensorboard)"
+                       r"|rebuild(?:s|ing)?|recreat(?:e|es|ing)|reopen(?:s|ing)?)\b", re.IGNORECASE)
+# a record the program logged at WARNING level (`rank 2 WARNING: loader failed ...; rebuilding loader`,
+# `[WARNING] ...`, `... - WARNING - ...`): whatever rule its text matches, it says so as a warning
+_WARNING_RECORD = re.compile(r"(?:^|[\s\[|-])WARN(?:ING)?\b[\]:]?(?!\S)")
 
 
 def _logged_going_on(findings: list[Finding], blocks: dict[int, tuple[int, int, int]],
                      block_kinds: dict[int, str]) -> list[Finding]:
-    """A record logged at ERROR level, or a non-finite loss, that says the program carries on
-    (`metrics server unreachable ...; continuing without metrics`, `loss is nan, skipping step 2`) is no
+    """A record logged at ERROR level, a non-finite loss, or any record logged at WARNING level, that says
+    the program carries on (`metrics server unreachable ...; continuing without metrics`, `loss is nan,
+    skipping step 2`, `WARNING: loader failed (... Input/output error ...); rebuilding loader`) is no
     failure of the run, and neither is the traceback logged right under it
     (`logger.exception("eval hook failed; continuing")`)."""
     going = {(f.source, f.line): f for f in findings
-             if f.rule.id in (LOGGED_ERROR, LOSS_NAN) and _GOING_ON.search(f.text)}
+             if (f.rule.id in (LOGGED_ERROR, LOSS_NAN) or _WARNING_RECORD.search(f.text)) and _GOING_ON.search(f.text)}
     if not going:
         return findings
     out = []

@@ -121,6 +121,19 @@ def unsent_sigterms(findings: list[Finding], catalog: Catalog, stopped: frozense
     return [replace(f, rule=rule) if i in unsent else f for i, f in enumerate(findings)]
 
 
+STOP_NOTICE = "signal.stop_notice"
+
+
+def notices_in_teardown(findings: list[Finding]) -> list[Finding]:
+    """A worker's own handler saying it got SIGTERM (`[rank: 3] Received SIGTERM: 15`) after the launcher
+    began stopping the workers ("Sending process N closing signal SIGTERM") is that teardown reaching
+    it, not a stop from outside, and says nothing the launcher's lines do not: left out."""
+    began = min((f.seq for f in findings if f.rule.id == TEARDOWN_RULE), default=None)
+    if began is None:
+        return findings
+    return [f for f in findings if not (f.rule.id == STOP_NOTICE and f.seq > began)]
+
+
 SIGKILL_RULE = "signal.sigkill"
 
 

@@ -17,7 +17,7 @@ from logtriage.analysis.timestamps import parse_stamp
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
 from logtriage.demux.around_paste import environment_report_span, reporters_words
-from logtriage.demux.line_marks import find_rank_marker
+from logtriage.demux.line_marks import OWN_RANK, find_rank_marker
 from logtriage.demux.prefixes import Dialect, strip_prefixes
 from logtriage.demux.streams import StreamKey
 from logtriage.ingest.lines import read_lines
@@ -72,11 +72,13 @@ def output_stopped(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]
 
 # a rank's own last word that its work is over (`rank 0 final 11.1705 done`, `[r2] eval finished`)
 # a last line that ends on the word, or that sums the run up after it (`rank 3 done: 20 steps, mean loss
-# 1.4187`, `finished, final loss 1.37`); not one that goes on to wait (`done, waiting for the report`)
+# 1.4187`, `finished, final loss 1.37`, `done samples 256`, `done 8 steps 0.41 loss`: only counts and their
+# names to the line's end); not one that goes on to wait (`done, waiting for the report`)
+_COUNT = r"(?:[a-z_]+\s*[=:]?\s*\d[\d.,]*|\d[\d.,]*\s+[a-z_]+)"
 _SIGNED_OFF = re.compile(r"\b(?:done|finished|completed?|exiting)[.!]?\s*$|\b(?:done|finished|completed?)[:,]\s+"
                          r"(?:\d+\s+(?:steps?|epochs?|iterations?|iters?|batches)\b|(?:final|mean|avg|average|last|best)"
-                         r"\s+(?:loss|acc(?:uracy)?|metric)\b)", re.IGNORECASE)
-_OWN_RANK = re.compile(r"\[?(?:rank|RANK|Rank)[ =:_]*(\d{1,6})\b")
+                         r"\s+(?:loss|acc(?:uracy)?|metric)\b)"
+                         rf"|\b(?:done|finished|completed?)[:,]?\s+{_COUNT}(?:[,;]?\s+{_COUNT})*[.]?\s*$", re.IGNORECASE)
 # pdsh's `worker-1: ` before a line read back (the demuxer's dialect is not kept with the scan)
 PDSH_HOST = re.compile(r"^[\w.-]+: (?=\S)")
 
@@ -88,7 +90,7 @@ def _every_rank_signed_off(scan: ScanResult, keys: list[StreamKey], tail: list[T
     for source, number, text in tail:
         message = message_of(text)
         # the script's own `rank N ...` at the line's start
-        own = _OWN_RANK.match(message) or _OWN_RANK.match(PDSH_HOST.sub("", message, count=1))
+        own = OWN_RANK.match(message) or OWN_RANK.match(PDSH_HOST.sub("", message, count=1))
         rank = int(own.group(1)) if own else find_rank_marker(message)
         if rank is None and number - 1 < len(scan.indexes[source].slots):
             rank = keys[scan.slots.final(scan.indexes[source].slots[number - 1])].rank_or_none

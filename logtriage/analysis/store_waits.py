@@ -10,7 +10,7 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
-from logtriage.analysis.roots import RankFacts, RootCause
+from logtriage.analysis.roots import RankFacts, RootCause, read_as
 from logtriage.analysis.signal_readings import exit_rule
 from logtriage.analysis.timeouts import missing_rank_root
 from logtriage.catalog.loader import Catalog
@@ -140,8 +140,7 @@ def own_server_port_taken(root: RootCause, findings: list[Finding], catalog: Cat
         return root
     if not any(w.collective and w.collective not in _FORMING for w in findings if w.rank != f.rank):
         return root
-    rule = catalog.get(OWN_PORT_RULE)
-    return root if rule is None else replace(root, rule=rule, reasons=root.reasons + (
+    return read_as(root, catalog, OWN_PORT_RULE, (
         f"the port clash is raised in the job's own `{f.last_frame}` ({f.last_file}), not in torch's rendezvous, "
         "while the other ranks were already in a collective: the process group had formed, and the port that "
-        "another process holds is one the program's own server binds",))
+        "another process holds is one the program's own server binds"))

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.hangs import EXIT_STALLED
+from logtriage.analysis.odd_start import odd_line_out
 from logtriage.analysis.refine import at_the_odd_step, stopped_while_waiting_rule
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.stalls import pieces_before, went_on_alone
@@ -50,12 +51,17 @@ def waiting_before_stop(scan: ScanResult, keys: list[StreamKey], root: RootCause
     last, by_rank = _last_worker_lines(scan, keys, stop.source, stop.line)
     waiting = [rank for rank, (_, text) in by_rank.items() if _WAITING.search(text)]
     rank = waiting[0] if len(waiting) == 1 and len(by_rank) >= 2 else None
-    said = by_rank[rank] if rank is not None else last
+    odd = odd_line_out({r: text for r, (_, text) in by_rank.items()}) if len(waiting) == len(by_rank) else None
+    said = by_rank[rank] if rank is not None else by_rank[odd] if odd is not None else last
     if said is None or not _WAITING.search(said[1]):
         return root
     reasons = ((f"rank {rank}'s last line before the stop says it waits (`{said[1][:120]}`), and every other "
                 "rank's last line says something else: the job stuck where rank " + str(rank) + " waited",)
                if rank is not None else ())
+    if odd is not None:
+        rank, reasons = odd, (f"every rank's last line before the stop says it waits, and all say the same (each "
+                              f"with its own rank's number) but rank {odd}'s (`{said[1][:120]}`): it waits for "
+                              "something else than the others, which wait for what it did not do",)
     if not stopped:
         return replace(root, rank=rank, ranks=(rank,), reasons=root.reasons + reasons)
     waited = _seconds_between(parse_stamp(said[1]), stop.stamp)

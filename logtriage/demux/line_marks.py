@@ -20,6 +20,9 @@ PROGRESS_WORDS = ("step", "epoch", "iter", "iteration", "loss", "batch", "done",
                   "eval", "evaluation", "saved", "saving", "loading", "world", "error", "warning", "exiting",
                   "starting", "started", "trial", "sweep", "stage", "node", "mesh", "model", "config", "shards",
                   "building", "wrapped", "loaded", "restored", "resuming", "heartbeat", "waiting", "final", "update")
+# a script's own words naming its rank (`rank 3 ...`, `[rank 3] ...`, `RANK=3`, `rank_3`): where a line starts with
+# it (.match), that rank wrote the line; found anywhere (.finditer), two ranks' lines glued into one split there
+OWN_RANK = re.compile(r"\[?\b(?:rank|RANK|Rank)[ =:_]*(\d{1,6})\b")
 # ASCII classes (`\b`, `\s`) as the fast-scan kernel reads bytes: `rank:0é` names rank 0 in both
 _RANK_MARKERS = (
     re.compile(r"\[\s*(?:global[_ ])?rank\s*[:=#]?\s*(\d{1,9})\s*(?:/\s*\d+\s*)?\]", re.IGNORECASE | re.ASCII),
