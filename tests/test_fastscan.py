@@ -49,8 +49,9 @@ def test_fast_scan_report_equals_exact_on_samples(case):
 
 
 def test_fast_scan_reads_plain_files_itself():
-    """Equality alone would pass if the fast engine handed every file to the exact scanner."""
-    paths = {c.name: c.log for c in CASES if c.log.is_file()}
+    """Equality alone would pass if the fast engine handed every file to the exact scanner. Every fourth
+    sample (over 1,200 logs of every folder): the equality test above already runs both engines on all of them."""
+    paths = {c.name: c.log for c in CASES[::4] if c.log.is_file()}
     taken = {name: _fast(str(log))[1] for name, log in paths.items()}
     handed = sorted(name for name, how in taken.items() if how != ["ranges"])
     assert len(paths) - len(handed) >= 300

@@ -104,16 +104,18 @@ def odd_line_out(said: dict[int, str]) -> int | None:
     """The one rank whose line (`rank 3 step 3 surgery: wrote ready_4_3, waiting`) differs from every
     other rank's, where those all agree (`rank 0 ... wrote ready_3_0, waiting`): two ranks' lines agree
     where their words are the same and each number is the same or is each line's own rank. Three ranks
-    at least, so that the others' agreement means something."""
+    at least, so that the others' agreement means something. Linear in the ranks: lines alike once each
+    rank's own number is masked agree; the rest are compared with one of the largest such group."""
     if len(said) < 3:
         return None
     pieces = {rank: _NUMBER.split(text) for rank, text in said.items()}
-    odd = [rank for rank in said if not any(_agree(rank, pieces[rank], other, pieces[other])
-                                            for other in said if other != rank)]
-    if len(odd) != 1:
-        return None
-    rest = [rank for rank in said if rank != odd[0]]
-    return odd[0] if all(_agree(a, pieces[a], b, pieces[b]) for a in rest for b in rest if a < b) else None
+    groups: dict[tuple, list[int]] = {}
+    for rank, parts in pieces.items():
+        masked = tuple("#" if i % 2 and part == str(rank) else part for i, part in enumerate(parts))
+        groups.setdefault(masked, []).append(rank)
+    model = max(groups.values(), key=len)[0]
+    odd = [rank for rank in said if not _agree(rank, pieces[rank], model, pieces[model])]
+    return odd[0] if len(odd) == 1 else None
 
 
 def _agree(rank: int, mine: list[str], other: int, theirs: list[str]) -> bool:
