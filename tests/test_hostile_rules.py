@@ -33,7 +33,7 @@ def _user(catalog, rule_id):
     return next(c for c in catalog.rules if c.rule.id == rule_id)
 
 
-def test_nested_quantifier_rule_on_a_100kb_line_of_a_takes_under_a_second(tmp_path):
+def test_nested_quantifier_rule_on_a_100kb_line_of_a_takes_seconds_not_forever(tmp_path):
     folder = rules_dir(tmp_path, nested=minimal_rule("user.nested", "(a+)+$"))
     log = tmp_path / "aaaa.log"
     log.write_text("[rank0]: step 1\n[rank1]: " + "a" * 100_000 + "\n")
@@ -44,7 +44,7 @@ def test_nested_quantifier_rule_on_a_100kb_line_of_a_takes_under_a_second(tmp_pa
     started = time.perf_counter()
     report = run_triage([str(log)], options).report
     elapsed = time.perf_counter() - started
-    assert elapsed < 1.0, elapsed
+    assert elapsed < 3.0, elapsed   # RE2: linear; a backtracking engine would not end (a loaded machine: ~1.5 s)
     hit = next(f for f in report.findings if f.rule_id == "user.nested")
     assert (hit.rank, hit.line) == (1, 2)
 
