@@ -77,10 +77,15 @@ def _remainder_share(said: dict[int, str], rank: int) -> bool:
     they say 51): the first ranks take the remainder when a total does not divide by the world
     size, so rank 0 was set up as the split sets up every job of that size, not its own way."""
     other = next(text for r, text in said.items() if r != rank)
-    mine, theirs = _NUMBER.split(said[rank]), _NUMBER.split(other)
-    if rank != 0 or len(mine) != len(theirs) or mine[0::2] != theirs[0::2]:
-        return False
-    return all(int(a) - int(b) in (0, 1) for a, b in zip(mine[1::2], theirs[1::2]))
+    numbers = _numbers_side_by_side(_NUMBER.split(said[rank]), _NUMBER.split(other))
+    return rank == 0 and numbers is not None and all(a - b in (0, 1) for a, b in numbers)
+
+
+def _numbers_side_by_side(mine: list[str], theirs: list[str]) -> list[tuple[int, int]] | None:
+    """Two lines split at their numbers: the numbers pairwise where the words between are the same, else None."""
+    if len(mine) != len(theirs) or mine[0::2] != theirs[0::2]:
+        return None
+    return [(int(a), int(b)) for a, b in zip(mine[1::2], theirs[1::2])]
 
 
 def _own_index(rank: int) -> re.Pattern:
@@ -119,6 +124,5 @@ def odd_line_out(said: dict[int, str]) -> int | None:
 
 
 def _agree(rank: int, mine: list[str], other: int, theirs: list[str]) -> bool:
-    if len(mine) != len(theirs) or mine[0::2] != theirs[0::2]:
-        return False
-    return all(a == b or (int(a) == rank and int(b) == other) for a, b in zip(mine[1::2], theirs[1::2]))
+    numbers = _numbers_side_by_side(mine, theirs)
+    return numbers is not None and all(a == b or (a == rank and b == other) for a, b in numbers)
