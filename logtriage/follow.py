@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
-from logtriage.api import TriageOptions, finish, get_catalog, make_redactor
+from logtriage.api import TriageOptions, finish, get_catalog, get_matcher, make_redactor
 from logtriage.catalog.matcher import Matcher
 from logtriage.demux.clean import clean, decode
 from logtriage.demux.prefixes import Dialect
@@ -98,7 +98,7 @@ def follow(target: str, options: TriageOptions, out: TextIO, err: TextIO) -> Rep
     reader = StdinInput() if source.is_stdin else FileInput(target)
     redactor, _ = make_redactor(options)
     shown_text = redactor.redact if redactor is not None else (lambda s: s)
-    session = Session(source, Matcher(catalog))
+    session = Session(source, get_matcher(catalog, options.patterns_dirs))
     stop = _StopOnInterrupt()
     try:
         while not stop.requested:
