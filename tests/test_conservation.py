@@ -1,7 +1,7 @@
 """Line conservation, line by line, on every captured sample and on the ways a log arrives
 (file, folder, .gz, standard input): each physical line has its byte offset and exactly one
 slot, that slot resolves to one stream, and the report's per-stream counts are exactly those
-per-line assignments (test_samples.py checks only the totals)."""
+per-line assignments; the report's input lines equal the file's physical lines."""
 
 from __future__ import annotations
 
