@@ -24,12 +24,21 @@ HEAD = 160          # lines of the input read for each rank's first line
 # a rank's error or warning, or the agent's summary field, not how a rank started
 _NOT_START = re.compile(r"Traceback|Error\b|Warning\b|\(local_rank: \d+\)")
 _UNNAMED = (Category.COLLECTIVE_TIMEOUT, Category.HANG)
+_WARNING = re.compile(r"^(?:\[?WARN(?:ING)?\b|.{0,60}\b(?:WARN(?:ING)?|[Ww]arning)\b[\]:])")
 
 
 def odd_start_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause, facts: RankFacts) -> RootCause:
     """A timeout or hang with no rank, or gloo's size abort (on the rank that received the odd
     message, not the one that sent it), moves to the one rank whose first line naming itself differs."""
     unnamed = root.rank is None and root.rule.category in _UNNAMED
+    if unnamed and len(facts.known) >= 2 and scan.sources:
+        first = root.finding
+        warned = lone_warning(scan, keys, first.line if first is not None and first.source == 0 else HEAD + 1)
+        if warned is not None and warned[0] in facts.known:
+            rank, line = warned
+            return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.35), reasons=root.reasons + (
+                f"rank {rank} alone warned as it started (`{line[:100]}`): it went its own way, and the others "
+                "waited on it",))
     if not (unnamed or root.rule.id == SIZE_RULE) or len(facts.known) < 3 or not scan.sources:
         return root
     said = _start_lines(scan, keys)
@@ -49,6 +58,18 @@ def odd_start_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause, fac
     return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.35), reasons=root.reasons + (
         f"rank {rank}'s start-up line (`{line[:100]}`) differs from every other rank's, which agree: it was set up "
         "its own way, and the others waited on it",))
+
+
+def lone_warning(scan: ScanResult, keys: list[StreamKey], end: int) -> tuple[int, str] | None:
+    """The one rank that printed a warning of its own in the input's first lines, before line `end` (the
+    failure's: `WARNING rank 0: batch 14 is not a multiple of micro-batch 4; dropping the last 2 samples`),
+    where no other rank warned at all."""
+    warned: dict[int, str] = {}
+    for _, key, rank, piece in pieces_before(scan, keys, 0, min(end, HEAD + 1)):
+        text = PDSH_HOST.sub("", piece.strip())
+        if key.kind is not StreamKind.LAUNCHER and rank is not None and _WARNING.search(text):
+            warned.setdefault(rank, text)
+    return next(iter(warned.items())) if len(warned) == 1 else None
 
 
 def _start_lines(scan: ScanResult, keys: list[StreamKey]) -> dict[int, list[str]]:

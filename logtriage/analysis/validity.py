@@ -33,6 +33,10 @@ def refused_result_first(root: RootCause, findings: list[Finding]) -> RootCause:
         return root
     gate = earliest(gates)
     how = "its exit code" if bare else f"its `{finding.exception_type}`"
-    return RootCause(gate.rule, gate, gate.rank, (gate.rank,) if gate.rank is not None else (), 0.6, (
+    rank = gate.rank
+    exited = {f.rank for f in findings if f.rule.id == EXIT_RULE}
+    if rank is None and len(exited) == 1 and None not in exited:
+        rank = next(iter(exited))    # a gate line without a rank prefix, and the one rank that then exited non-zero
+    return RootCause(gate.rule, gate, rank, (rank,) if rank is not None else (), 0.6, (
         f"the benchmark's validity check refused the result (line {gate.line}) before the job ended with {how}: "
         "the refusal is why it stopped; the run's code did not fail",))
