@@ -59,3 +59,16 @@ def test_a_warning_every_rank_printed_names_no_rank(tmp_path):
     log.write_text(text.replace(warning, warning + warning.replace("rank 0", "rank 1")))
     rc = triage([str(log)]).to_dict()["root_cause"]
     assert (rc["rule_id"], rc["rank"]) == ("gloo.timeout", None)
+
+
+def test_an_error_every_rank_raised_alike_that_names_one_rank_names_it():
+    # every rank's resume check all-gathers the steps and raises `RuntimeError: ranks resumed from different
+    # steps [6, 6, 6, 2]: rank 3 loaded an older checkpoint`: rank 3, not the first copy's rank
+    assert root_facts("avg_stale_np4_r3_loglevel")[:3] == ("python.exception", "python_exception", 3)
+
+
+def test_a_script_label_naming_each_copys_own_rank_names_no_one_rank():
+    # `FloatingPointError: rank N: non-finite loss inf at epoch 2 micro-batch 4` on every rank (an earlier batch):
+    # each copy names its own rank, so the shared error keeps all four and the first
+    rc = triage([str(SAMPLES / "gacc_noscale_np4_rall_plain.log")]).to_dict()["root_cause"]
+    assert (rc["category"], rc["rank"], rc["ranks"]) == ("numerical", 0, [0, 1, 2, 3])

@@ -15,6 +15,7 @@ from logtriage.analysis.findings import Finding
 from logtriage.analysis.roots import RankFacts, earliest
 from logtriage.catalog.rule import Category, Layer, Role
 from logtriage.demux.blocks import NCCL_PREFIX
+from logtriage.demux.line_marks import OWN_RANK
 from logtriage.scan_result import step_number
 
 
@@ -118,6 +119,8 @@ def refine_rank(first: Finding, live: list[Finding], ranks: tuple[int, ...]) -> 
     if len(awaited) == 1 and awaited <= set(ranks):
         rank = next(iter(awaited))
         return rank, f"every rank waited in the store for rank {rank}'s address: it never published it"
+    if (named := _rank_every_copy_names(first, live, ranks)) is not None:
+        return named, f"every rank's copy of the error names rank {named} (`{first.text.strip()[:80]}`)"
     if (after_loss := _only_rank_not_after_a_lost_peer(first, live, ranks)) is not None:
         return after_loss
     if first.category is not Category.NUMERICAL:
@@ -138,6 +141,25 @@ def refine_rank(first: Finding, live: list[Finding], ranks: tuple[int, ...]) -> 
     sign = earliest(signs)
     return sign.rank, (f"rank {sign.rank} showed it on its own first (line {sign.line}: "
                        f"{sign.text.strip()[:80]}); the others' error is its spread")
+
+
+def _rank_every_copy_names(first: Finding, live: list[Finding], ranks: tuple[int, ...]) -> int | None:
+    """An error every rank raised alike after comparing notes (`ranks resumed from different steps [6, 6, 6, 2]:
+    rank 3 loaded an older checkpoint`), each copy naming the same one rank: that rank is the odd one. A script's
+    own label (`rank 2: loss is nan`) names each copy's own rank, so it names no one rank."""
+    named: set[int] = set()
+    printers: set[int] = set()
+    for f in live:
+        if f.signature == first.signature and f.rank is not None:
+            found = {int(m.group(1)) for m in OWN_RANK.finditer(f.text)}
+            if len(found) != 1:
+                return None
+            named |= found
+            printers.add(f.rank)
+    if len(named) != 1 or len(printers) < 2:
+        return None
+    rank = next(iter(named))
+    return rank if rank in ranks else None
 
 
 def _only_rank_not_after_a_lost_peer(first: Finding, live: list[Finding],
