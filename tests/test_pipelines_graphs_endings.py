@@ -72,3 +72,25 @@ def test_a_script_label_naming_each_copys_own_rank_names_no_one_rank():
     # each copy names its own rank, so the shared error keeps all four and the first
     rc = triage([str(SAMPLES / "gacc_noscale_np4_rall_plain.log")]).to_dict()["root_cause"]
     assert (rc["category"], rc["rank"], rc["ranks"]) == ("numerical", 0, [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("slug, rank", [
+    # federated averaging weighted by sample count: rank N's start-up line says `samples 0` where the others say
+    # 40000-58000; after the first round every rank's check raises the same FloatingPointError
+    ("avg_zerocount_np4_r1_plain", 1),
+    ("avg_zerocount_np5_r3_detail", 3),
+])
+def test_the_one_rank_that_started_with_nothing_owns_the_error_every_rank_met(slug, rank):
+    rc = triage([str(SAMPLES / f"{slug}.log")]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["rank"]) == ("numerical.checked_nonfinite", rank)
+    assert len(rc["ranks"]) > 2       # still the same error on every rank
+
+
+def test_a_zero_on_two_ranks_names_neither(tmp_path):
+    # the same run with rank 2 also starting with no samples: no one rank started with nothing
+    text = (SAMPLES / "avg_zerocount_np4_r1_plain.log").read_text()
+    line = "rank 2/4 avg fed period 2 warmup 2 lr 0.01 samples 52000 avg dtype float32"
+    assert line in text
+    log = tmp_path / "two_empty.log"
+    log.write_text(text.replace(line, line.replace("52000", "0")))
+    assert triage([str(log)]).to_dict()["root_cause"]["rank"] == 0

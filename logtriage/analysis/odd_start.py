@@ -39,6 +39,14 @@ def odd_start_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause, fac
             return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.35), reasons=root.reasons + (
                 f"rank {rank} alone warned as it started (`{line[:100]}`): it went its own way, and the others "
                 "waited on it",))
+    if len(facts.known) >= 3 and set(root.ranks) >= facts.known and scan.sources:
+        said = _start_lines(scan, keys)     # the same error on every rank: one of them may have started with nothing
+        rank = _zero_share({who: lines[0] for who, lines in said.items()}) if set(said) == set(facts.known) else None
+        if rank is not None and rank != root.rank:
+            shared = tuple(r.split(":")[0] if r.startswith("the same error on") else r for r in root.reasons)
+            return replace(root, rank=rank, confidence=min(root.confidence, 0.4), reasons=shared + (
+                f"rank {rank}'s start-up line (`{said[rank][0][:100]}`) counts 0 where every other rank's counts "
+                "some: it started with nothing, and the error every rank then met is its",))
     if not (unnamed or root.rule.id == SIZE_RULE) or len(facts.known) < 3 or not scan.sources:
         return root
     said = _start_lines(scan, keys)
@@ -100,6 +108,27 @@ def _remainder_share(said: dict[int, str], rank: int) -> bool:
     other = next(text for r, text in said.items() if r != rank)
     numbers = _numbers_side_by_side(_NUMBER.split(said[rank]), _NUMBER.split(other))
     return rank == 0 and numbers is not None and all(a - b in (0, 1) for a, b in numbers)
+
+
+def _zero_share(said: dict[int, str]) -> int | None:
+    """The one rank whose start-up line counts 0 of something every other rank has some of (`samples 0` where
+    the others say 40000 to 58000, their words otherwise alike): a client or a shard with no data."""
+    pieces = {rank: _NUMBER.split(text) for rank, text in said.items()}
+    empty = []
+    for rank, mine in pieces.items():
+        places: set[int] | None = None
+        for other, theirs in pieces.items():
+            if other == rank:
+                continue
+            numbers = _numbers_side_by_side(mine, theirs)
+            if numbers is None:
+                return None
+            # (another rank's own number there is an index, `tp=2`, not a count)
+            zero_here = {i for i, (a, b) in enumerate(numbers) if a == 0 < b != other}
+            places = zero_here if places is None else places & zero_here
+        if places:
+            empty.append(rank)
+    return empty[0] if len(empty) == 1 else None
 
 
 def _numbers_side_by_side(mine: list[str], theirs: list[str]) -> list[tuple[int, int]] | None:
