@@ -112,23 +112,20 @@ def _remainder_share(said: dict[int, str], rank: int) -> bool:
 
 def _zero_share(said: dict[int, str]) -> int | None:
     """The one rank whose start-up line counts 0 of something every other rank has some of (`samples 0` where
-    the others say 40000 to 58000, their words otherwise alike): a client or a shard with no data."""
+    the others say 40000 to 58000, their words otherwise alike): a client or a shard with no data. Linear in the
+    ranks: each line is split once and every place read across all of them."""
     pieces = {rank: _NUMBER.split(text) for rank, text in said.items()}
-    empty = []
-    for rank, mine in pieces.items():
-        places: set[int] | None = None
-        for other, theirs in pieces.items():
-            if other == rank:
-                continue
-            numbers = _numbers_side_by_side(mine, theirs)
-            if numbers is None:
-                return None
-            # (another rank's own number there is an index, `tp=2`, not a count)
-            zero_here = {i for i, (a, b) in enumerate(numbers) if a == 0 < b != other}
-            places = zero_here if places is None else places & zero_here
-        if places:
-            empty.append(rank)
-    return empty[0] if len(empty) == 1 else None
+    words = next(iter(pieces.values()))[0::2]
+    if any(parts[0::2] != words for parts in pieces.values()):
+        return None
+    numbers = {rank: [int(n) for n in parts[1::2]] for rank, parts in pieces.items()}
+    empty = set()
+    for place in range(len(words) - 1):
+        zeros = [rank for rank, values in numbers.items() if values[place] == 0]
+        # (another rank's own number there is an index, `tp=2`, not a count)
+        if len(zeros) == 1 and all(0 < values[place] != rank for rank, values in numbers.items() if rank != zeros[0]):
+            empty.add(zeros[0])
+    return next(iter(empty)) if len(empty) == 1 else None
 
 
 def _numbers_side_by_side(mine: list[str], theirs: list[str]) -> list[tuple[int, int]] | None:
