@@ -39,6 +39,13 @@ _CHECKPOINT_PATH = re.compile(r"'[^']*(?:checkpoint|ckpt)[^']*'|'[^']*\.(?:pt|pt
 # a copy, archive or upload tool's command that failed (`Command '['tar', 'czf', ...]' returned non-zero`)
 _COPY_COMMAND = re.compile(r"Command '\[?'?(?:\S*/)?(?:tar|cp|rsync|mv|zip|gzip|pigz|zstd|gsutil|aws|azcopy|rclone|scp|"
                            r"s5cmd)\b")
+# a missing file that is data by its name: under a data folder, a model's outputs or features cached
+# for another pass, a partition of a graph or a dataset (`data/shard_00003.pt`, `teacher_logits.pt`,
+# `part_3.pt`); never one named for checkpoints (_CHECKPOINT_NAMED)
+_DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:/data/|/datasets?/|logits|features|embeddings|"
+                        r"tokeni[sz]ed|partitions?[/_.]|/part_\d+\.)[^']*'", re.IGNORECASE)
+_CHECKPOINT_NAMED = re.compile(r"No such file or directory: '[^']*(?:checkpoint|ckpt)[^']*'", re.IGNORECASE)
+FILE_NOT_FOUND_RULE = "python.file_not_found"
 _MISSING_PATH = re.compile(r"is not a valid (?:directory|file|path)|does not exist|(?:not found|No such file)\b")
 # an object store answering that the key is not there (botocore's ClientError)
 _MISSING_OBJECT = re.compile(r"\((?:404|NoSuchKey)\) when calling the \w+ operation")
@@ -53,7 +60,15 @@ _CLASS_NOT_HERE = re.compile(r"Can't get attribute '[\w.]+' on <module '")
 
 def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
     f = root.finding
-    if f is None or root.rule.id not in GENERIC_RULES:
+    data_file = f is not None and _DATA_FILE.search(f.text) is not None and not _CHECKPOINT_NAMED.search(f.text)
+    if data_file and root.rule.id == "ckpt.not_found":
+        # torch.load of a data file saved with torch.save (a shard under data/, a cache of a teacher's
+        # logits, a graph partition): a checkpoint's suffix, but the file is data
+        rule = catalog.get(FILE_NOT_FOUND_RULE) or fallback_rule(FILE_NOT_FOUND_RULE, Category.PYTHON_EXCEPTION,
+                                                                 "A file does not exist")
+        return replace(root, rule=rule, reasons=root.reasons + (
+            "the missing file is data by its name (saved with torch.save, read with torch.load), not a checkpoint",))
+    if f is None or root.rule.id not in GENERIC_RULES or data_file:
         return root
     kind = short_type(f.exception_type)
     copied = kind == "CalledProcessError" and _COPY_COMMAND.search(f.text) is not None

@@ -33,7 +33,7 @@ def live_errors(findings: list[Finding], facts: RankFacts) -> list[Finding]:
     the last attempt's."""
     live = _after_store_lost(_without_reraise_wrappers(_not_recovered(
         [f for f in findings if f.is_error and not f.is_teardown], findings)))
-    return _final_attempt(lived_through(_thread_work_finished(live, findings, facts), facts))
+    return _final_attempt(_restart_echoes(lived_through(_thread_work_finished(live, findings, facts), facts)))
 
 
 def _without_reraise_wrappers(live: list[Finding]) -> list[Finding]:
@@ -78,6 +78,28 @@ def _final_attempt(live: list[Finding]) -> list[Finding]:
 
 
 _RESTART_ECHOES = frozenset({"gloo.connect_full_mesh"})
+
+
+def _restart_echoes(live: list[Finding]) -> list[Finding]:
+    """A group that could not form again (gloo's connectFullMesh refused) after the agent had reported
+    a worker's failure in the same console is the restart's echo of that failure, even where the
+    restarted workers' lines carry no rank (an error before `init_process_group` returned has no
+    `[rankN]:` prefix), so no attempt is known for them: the agent restarts only after it reported a
+    failure, and a first start that cannot connect fails before any such report."""
+    reported = {}
+    for f in live:
+        if f.stream.kind is StreamKind.LAUNCHER and f.rank is not None and f.rule.id not in _RESTART_ECHOES:
+            reported[f.source] = min(reported.get(f.source, f.seq), f.seq)
+    echoes = [f for f in live if f.rule.id in _RESTART_ECHOES and f.stream.kind is not StreamKind.RANK
+              and f.source in reported and f.seq > reported[f.source]]
+    if not echoes:
+        return live
+    # the agent's reports of the restarted workers' exits come after the echo and say no more
+    since = {}
+    for f in echoes:
+        since[f.source] = min(since.get(f.source, f.seq), f.seq)
+    return [f for f in live if f not in echoes and not (
+        f.stream.kind is StreamKind.LAUNCHER and f.source in since and f.seq > since[f.source])]
 
 
 def _after_store_lost(live: list[Finding]) -> list[Finding]:

@@ -97,6 +97,26 @@ def went_on_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int
     return went_on[0]
 
 
+def fell_behind_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> int | None:
+    """The one rank whose last line before `end` is its progress line, where every other rank's last
+    line is one same message (numbers aside) after its progress at that same step (`rank 0 eval: 4
+    images`): the others went on from that step together, and it did not."""
+    last: dict[int, tuple[int | None, str]] = {}    # rank -> (the step of its last line, that line masked)
+    steps: dict[int, int] = {}
+    for rank, piece in _ranked_pieces(scan, keys, source, end):
+        if not piece.strip():
+            continue
+        step = step_number(piece)
+        last[rank] = (step, mask_numbers(piece).strip())
+        if step is not None:
+            steps[rank] = step
+    behind = [r for r, (step, _) in last.items() if step is not None]
+    if len(last) < 3 or len(behind) != 1 or set(steps) != set(last) or len(set(steps.values())) != 1:
+        return None
+    went_on = {text for r, (_, text) in last.items() if r != behind[0]}
+    return behind[0] if len(went_on) == 1 else None
+
+
 def heartbeat_odd_one_out(scan: ScanResult, keys: list[StreamKey], root: RootCause) -> RootCause:
     """A hang with no rank (the output just stops) whose ranks' last lines are heartbeats at one
     step: the rank whose heartbeat says something else than all the others' is the one they wait for."""

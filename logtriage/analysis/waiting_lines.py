@@ -16,7 +16,7 @@ from logtriage.analysis.hangs import EXIT_STALLED
 from logtriage.analysis.odd_start import odd_line_out
 from logtriage.analysis.refine import at_the_odd_step, stopped_while_waiting_rule
 from logtriage.analysis.roots import RankFacts, RootCause
-from logtriage.analysis.stalls import pieces_before, went_on_alone
+from logtriage.analysis.stalls import fell_behind_alone, pieces_before, went_on_alone
 from logtriage.analysis.timestamps import Stamp, parse_stamp
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
@@ -160,9 +160,16 @@ def stopped_after_one_went_on(scan: ScanResult, keys: list[StreamKey], root: Roo
             or len(facts.known) < 3):
         return root
     rank = went_on_alone(scan, keys, stop.source, stop.line)
-    ran = _seconds_before_stop(scan, stop) if rank is not None else None
+    behind = fell_behind_alone(scan, keys, stop.source, stop.line) if rank is None else None
+    ran = _seconds_before_stop(scan, stop) if rank is not None or behind is not None else None
     if ran is None or ran < STARTUP_SECONDS:
         return root
+    if behind is not None:
+        return replace(root, rule=stopped_while_waiting_rule(catalog), rank=behind, ranks=(behind,),
+                       confidence=min(root.confidence, 0.35), reasons=root.reasons + (
+            f"no error, {ran:.0f} s from the job's start to the stop, and every rank's last line before it is one "
+            f"same message after its progress at step {facts.last_step.get(behind)} but rank {behind}'s, which is "
+            "that progress line: the others went on and waited for it, and the stop ended the wait",))
     return replace(root, rule=stopped_while_waiting_rule(catalog), rank=rank, ranks=(rank,),
                    confidence=min(root.confidence, 0.35), reasons=root.reasons + (
         f"no error, {ran:.0f} s from the job's start to the stop, and every rank's last line before it is its "

@@ -77,8 +77,10 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
 
 
 _CLEANUP_FRAMES = frozenset({"__exit__", "__aexit__"})
-# a source line that saves or loads a checkpoint itself
-_CHECKPOINT_CALL = re.compile(r"\btorch\.(?:load|save)\b")
+# a source line that saves or loads a checkpoint itself, or hands a loaded one's entry to a module
+# or an optimizer (`opt.load_state_dict(shard["optimizer"])`: as the innermost frame's line, the
+# error came from the checkpoint's content, before the call)
+_CHECKPOINT_CALL = re.compile(r"\btorch\.(?:load|save)\b|\.load_state_dict\(")
 # a source line that calls or computes something: not a `raise` (nor `assert`), and not a caret row
 _NOT_A_RAISE = re.compile(r"^(?!raise\b|assert\b|[~^\s]*$)\S")
 
