@@ -1,0 +1,84 @@
+"""Restarts that cannot form the group again, data files saved like checkpoints, a loader's key read from a
+checkpoint, a finite check worded value-first, and the one rank left behind when a time limit stopped the job:
+real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the 114th-118th batches, each labelled before triage ran;
+the test names the run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from logtriage.api import triage
+from sample_roots import SAMPLES, root_cause, root_facts, verdict_and_root
+
+
+@pytest.mark.parametrize("slug, rank, line", [
+    # attempt 0: rank 3 exits 3 with no message; torchrun restarts the workers, whose init_process_group fails
+    # in `Gloo connectFullMesh failed ... Connection refused` before they print a prefixed line, then the agent
+    # reports the restarted rank 0's exit 1: both are the restart's echo of rank 3's exit
+    ("launchm_exit3_np4_r3_restart", 3, 52),
+    ("exit255_np4_r2_restart", 2, 46),
+])
+def test_a_restart_that_cannot_connect_again_is_the_echo_of_the_first_attempts_failure(slug, rank, line):
+    assert root_facts(slug) == ("signal.exit_nonzero", "unknown", rank, line, None)
+
+
+def test_a_first_start_that_cannot_connect_is_still_the_root():
+    # the ranks' connectFullMesh is refused at the first start (a stale file store): no agent report before it
+    assert root_facts("hinit_file_stale_np4_rall_plain")[:2] == ("gloo.connect_full_mesh", "rendezvous")
+
+
+def test_a_key_missing_from_a_loaded_checkpoint_is_the_checkpoints():
+    # `opt.load_state_dict(shard["optimizer"])` -> `KeyError: 'optimizer'`: the innermost frame's line hands the
+    # loaded file's entry to load_state_dict, so the file is not in the format the loader expects
+    assert root_facts("launchm_resume_np6_r4_pymodule") == ("ckpt.format_mismatch", "checkpoint", 4, 13, "KeyError")
+
+
+@pytest.mark.parametrize("slug, rank", [
+    # torch.load of `.../data/shard_00003.pt`, a data shard the preprocessing skipped
+    ("launchm_shard_np6_r3_filter", 3),
+    ("launchm_shard_np4_r1_loglevel", 1),
+    # a graph partition `part_3.pt`
+    ("gnn_missing_np4_r3_plain", 3),
+])
+def test_a_missing_data_file_saved_with_torch_save_is_not_a_checkpoint(slug, rank):
+    rc = root_cause(slug)
+    assert (rc["rule_id"], rc["category"], rc["rank"], rc["exception_type"]) == (
+        "python.file_not_found", "python_exception", rank, "FileNotFoundError")
+
+
+def test_a_missing_file_named_for_checkpoints_stays_a_checkpoint(tmp_path):
+    # the same run, its shard renamed into a checkpoint folder: a checkpoint not found again
+    text = (SAMPLES / "launchm_shard_np6_r3_filter.log").read_text()
+    assert "/data/shard_00003.pt" in text
+    log = tmp_path / "ckpt_shard.log"
+    log.write_text(text.replace("/data/shard_00003.pt", "/data/ckpt/shard_00003.pt"))
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("ckpt.not_found", "checkpoint", 3)
+
+
+@pytest.mark.parametrize("slug, rank, line", [
+    # `FloatingPointError: non-finite embeddings on rank 2 at epoch 0 step 4: 1 of 6 rows`
+    ("contra_zeronorm_np4_r2_tee_trainer", 2, 45),
+    ("contra_zeronorm_np5_r3_filter", 3, 28),
+])
+def test_a_finite_check_that_names_the_value_first_is_numerical(slug, rank, line):
+    assert root_facts(slug) == ("numerical.checked_nonfinite", "numerical", rank, line, "FloatingPointError")
+
+
+def test_the_one_rank_that_did_not_go_on_to_the_others_next_line_is_where_a_stopped_job_hung():
+    # `timeout 60` stops torchrun 50 s after its start; ranks 0 and 2 printed `rank R eval: 4 images, 8
+    # detections after NMS` after their step 7, rank 1's last line is its step 7 (stuck in its NMS loop)
+    assert verdict_and_root("det_evalhang_np3_r1_plain") == ("hung", "hang.stopped_while_waiting", "hang", 1)
+
+
+def test_ranks_that_all_went_on_alike_leave_a_stop_external(tmp_path):
+    # the same run with rank 1's eval line put back: every rank's last line is the same message, and nothing
+    # says which rank the others waited for
+    text = (SAMPLES / "det_evalhang_np3_r1_plain.log").read_text()
+    line = "rank 2 eval: 4 images, 9 detections after NMS\n"
+    assert line in text
+    log = tmp_path / "all_went_on.log"
+    log.write_text(text.replace(line, line + line.replace("rank 2", "rank 1")))
+    report = triage([str(log)]).to_dict()
+    assert (report["verdict"], report["root_cause"]["rule_id"], report["root_cause"]["rank"]) == (
+        "failed", "launcher.signal_exception", None)
