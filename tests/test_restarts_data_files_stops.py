@@ -1,14 +1,15 @@
 """Restarts that cannot form the group again, data files saved like checkpoints, a loader's key read from a
-checkpoint, a finite check worded value-first, and the one rank left behind when a time limit stopped the job:
-real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the 114th-118th batches, each labelled before triage ran;
-the test names the run)."""
+checkpoint, a finite check worded value-first, the one rank left behind or still at work when a time limit
+stopped the job, a program's own check for a missing library, and the rank that sent gloo a message of another
+size: real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the 114th-123rd batches and earlier ones, each
+labelled before triage ran; the test names the run)."""
 
 from __future__ import annotations
 
 import pytest
 
 from logtriage.api import triage
-from sample_roots import SAMPLES, root_cause, root_facts, verdict_and_root
+from sample_roots import SAMPLES, root_cause, root_facts, sample_report, verdict_and_root
 
 
 @pytest.mark.parametrize("slug, rank, line", [
@@ -82,3 +83,62 @@ def test_ranks_that_all_went_on_alike_leave_a_stop_external(tmp_path):
     report = triage([str(log)]).to_dict()
     assert (report["verdict"], report["root_cause"]["rule_id"], report["root_cause"]["rank"]) == (
         "failed", "launcher.signal_exception", None)
+
+
+@pytest.mark.parametrize("slug, rank, line", [
+    # no rank printed a step; rank 2 alone printed anything (`rank 2: loading warm-start tables from ... (1.3 GB)
+    # ...`) of the three workers the agent stopped
+    ("rec_slowtable_np3_r2_plain", 2, 6),
+    # every rank printed its start-up lines; rank 2 went on (`recomputing the teacher logits`, `teacher logits
+    # 32/96`) after the others fell silent
+    ("distill_cacheslow_np3_r2_plain", 2, 19),
+    # rank 1 alone says it waits (`waiting for /tmp/job_work/data/part-0001.csv (40s)`), the others print nothing
+    ("fcst_waitcsv_np3_r1_tee", 1, 10),
+])
+def test_the_one_rank_still_at_work_in_a_stopped_start_up_is_where_the_others_waited(slug, rank, line):
+    report = sample_report(slug)
+    rc = report["root_cause"]
+    assert (report["verdict"], rc["rule_id"], rc["rank"], rc["line"]) == ("hung", "hang.stopped_while_waiting", rank, line)
+
+
+def test_rank_0_alone_speaking_in_a_stopped_start_up_names_no_rank(tmp_path):
+    # the same run with the line said by rank 0: a program that logs on rank 0 only says nothing of the others
+    text = (SAMPLES / "rec_slowtable_np3_r2_plain.log").read_text()
+    assert "rank 2: loading warm-start tables" in text
+    log = tmp_path / "rank0_only.log"
+    log.write_text(text.replace("rank 2: loading warm-start tables", "rank 0: loading warm-start tables"))
+    report = triage([str(log)]).to_dict()
+    assert (report["verdict"], report["root_cause"]["rank"]) == ("hung", None)
+
+
+@pytest.mark.parametrize("slug, rank", [("asr_nosox_np4_r0_plain", 0), ("asr_nosox_np5_r3_prefix", 3)])
+def test_a_programs_own_error_naming_a_missing_library_is_the_environments(slug, rank):
+    # `ERROR: rank 0: audio backend 'sox_io' is not available on this node (libsox.so.3: cannot open shared
+    # object file: No such file or directory); ...`, then exit 3 and no traceback
+    assert root_facts(slug) == ("env.program_library_missing", "environment", rank, 5, None)
+
+
+@pytest.mark.parametrize("slug, rank, line", [
+    # `rank 1 eval: 128 reals, 128 fakes, 10-dim features` where every other rank says 6-dim; gloo aborts rank 0
+    ("gan_fidshape_np4_r1_plain", 1, 64),
+    ("surg_headwidth_np5_r2_plain", 2, 31),
+    ("eval_uneven_np4_r3_plain", 3, 22),
+    ("estop_patreset_np4_r2_plain", 2, 78),
+])
+def test_the_rank_whose_last_line_says_another_size_sent_the_message_gloo_aborted_on(slug, rank, line):
+    assert root_facts(slug) == ("gloo.size_mismatch", "collective_mismatch", rank, line, None)
+
+
+def test_last_lines_alike_leave_gloos_abort_on_the_receiver(tmp_path):
+    text = (SAMPLES / "gan_fidshape_np4_r1_plain.log").read_text()
+    assert "128 fakes, 10-dim features" in text
+    log = tmp_path / "alike.log"
+    log.write_text(text.replace("128 fakes, 10-dim features", "128 fakes, 6-dim features"))
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["rank"]) == ("gloo.size_mismatch", 0)
+
+
+def test_a_rank_the_monitored_barrier_names_that_aborted_on_gloos_size_check_is_a_mismatch():
+    # DETAIL: rank 0's monitoredBarrier names rank 3, which died of SIGABRT after gloo's unprefixed `op.preamble
+    # .length <= op.nbytes. 1024 vs 512. Received data size doesn't match expected size`
+    assert root_facts("rec_splits_np5_r3_detail") == ("gloo.size_mismatch", "collective_mismatch", 3, 11, None)

@@ -117,7 +117,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = stalled_before_stop(scan, root, findings, catalog)
         if root.rule.category is Category.EXTERNAL_STOP:
             root = heartbeats_before_stop(scan, keys, root, findings, catalog)
-        root = stopped_in_startup(scan, waiting_before_stop(scan, keys, root, findings, catalog), findings, facts,
+        root = stopped_in_startup(scan, keys, waiting_before_stop(scan, keys, root, findings, catalog), findings, facts,
                                   catalog)
         root = stopped_with_uneven_progress(scan, root, findings, facts, catalog)
         root = stopped_before_all_stepped(scan, root, findings, facts, catalog)

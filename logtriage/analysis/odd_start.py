@@ -51,7 +51,7 @@ def odd_start_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause, fac
         return root
     said = _start_lines(scan, keys)
     if set(said) != set(facts.known):
-        return root
+        return _last_line_out(scan, keys, root, facts) if root.rule.id == SIZE_RULE else root
     compared = {who: lines[0] for who, lines in said.items()}
     rank = odd_one_out(compared)
     if rank is None and len(set(compared.values())) == 1 and root.rule.id == SIZE_RULE:
@@ -60,12 +60,33 @@ def odd_start_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause, fac
         compared = {who: "\n".join(lines[1:]) for who, lines in said.items()}
         rank = odd_one_out(compared)
     if rank is None or rank == root.rank or _remainder_share(compared, rank):
-        return root
+        return _last_line_out(scan, keys, root, facts) if root.rule.id == SIZE_RULE and rank is None else root
     other = said[next(r for r in said if r != rank)]
     line = next((t for t in said[rank] if t not in other), said[rank][0])
     return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.35), reasons=root.reasons + (
         f"rank {rank}'s start-up line (`{line[:100]}`) differs from every other rank's, which agree: it was set up "
         "its own way, and the others waited on it",))
+
+
+def _last_line_out(scan: ScanResult, keys: list[StreamKey], root: RootCause, facts: RankFacts) -> RootCause:
+    """gloo's size abort, where the ranks started alike: the one rank whose last line before the abort says
+    another number than every other rank's same line (`rank 1 eval: 128 reals, 128 fakes, 10-dim features`
+    where the others say 6-dim) sent the message of another size."""
+    first = root.finding
+    if first is None or first.source >= len(scan.sources):
+        return root
+    last: dict[int, str] = {}
+    for _, _, rank, piece in pieces_before(scan, keys, first.source, first.line):
+        if rank is not None and piece.strip():
+            last[rank] = piece.strip()
+    if set(last) != set(facts.known):
+        return root
+    rank = odd_line_out(last)
+    if rank is None or rank == root.rank:
+        return root
+    return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.35), reasons=root.reasons + (
+        f"rank {rank}'s last line before the abort (`{last[rank][:100]}`) says another number than every other "
+        "rank's same line: it sent the message of another size",))
 
 
 def lone_warning(scan: ScanResult, keys: list[StreamKey], end: int) -> tuple[int, str] | None:

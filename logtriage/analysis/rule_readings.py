@@ -176,6 +176,7 @@ def writer_behind_readers(root: RootCause, findings: list[Finding]) -> RootCause
 
 
 # a process's own death by a signal (a native crash, an abort it called), not a stop from outside
+_GLOO_SIZE_ABORT = "gloo.size_mismatch"
 _OWN_SIGNALS = {"signal.sigsegv": "SIGSEGV", "signal.sigbus": "SIGBUS", "signal.sigabrt": "SIGABRT"}
 _WAITING = frozenset({Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR})
 
@@ -195,6 +196,15 @@ def waited_for_a_crash(root: RootCause, findings: list[Finding]) -> RootCause:
                   and not (aborts_on_timeout and f.rule.id == "signal.sigabrt")), None)
     if crash is None:
         return root
+    if crash.rule.id == "signal.sigabrt":
+        # gloo's own abort (`terminate called after throwing ... gloo::EnforceNotMet`, `Received data size
+        # doesn't match expected size`), its lines with no rank: why that rank aborted
+        told = next((f for f in findings if f.rule.id == _GLOO_SIZE_ABORT and f.rank in (None, rank)
+                     and f.source == crash.source and f.line < crash.line), None)
+        if told is not None:
+            return RootCause(told.rule, told, rank, (rank,), root.confidence, root.reasons + (
+                f"rank {rank}, the one the others waited for, aborted on gloo's size check (the data it received "
+                f"was of another size) and never waited itself: their wait ({root.rule.id}) is its consequence",))
     return RootCause(crash.rule, crash, rank, (rank,), root.confidence, root.reasons + (
         f"rank {rank}, the one the others waited for, died of {_OWN_SIGNALS[crash.rule.id]} and never waited "
         f"itself: its crash came first, their wait ({root.rule.id}) is its consequence",))

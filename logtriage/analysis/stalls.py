@@ -117,6 +117,26 @@ def fell_behind_alone(scan: ScanResult, keys: list[StreamKey], source: int, end:
     return behind[0] if len(went_on) == 1 else None
 
 
+def at_work_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int, workers: int) -> int | None:
+    """In a start-up stopped from outside (no rank printed a step): the one rank that went on printing what it
+    did after every other rank fell silent (`rank 2: recomputing the teacher logits`, `teacher logits 32/96`), or,
+    of `workers` processes, the one rank other than 0 that printed anything at all (`rank 2: loading warm-start
+    tables ...`): the silent ranks waited for it. (Rank 0 alone speaking is a program that logs on rank 0 only.)"""
+    last: dict[int, int] = {}
+    lines: dict[int, list[int]] = {}
+    for number, _, rank, piece in pieces_before(scan, keys, source, end):
+        if rank is not None and piece.strip():
+            last[rank] = number
+            lines.setdefault(rank, []).append(number)
+    if not last:
+        return None
+    rank = max(last, key=last.get)
+    if len(last) == 1:
+        return rank if rank != 0 and workers >= 2 else None
+    others = max(n for r, n in last.items() if r != rank)
+    return rank if len(last) >= 2 and workers >= 3 and sum(n > others for n in lines[rank]) >= 2 else None
+
+
 def heartbeat_odd_one_out(scan: ScanResult, keys: list[StreamKey], root: RootCause) -> RootCause:
     """A hang with no rank (the output just stops) whose ranks' last lines are heartbeats at one
     step: the rank whose heartbeat says something else than all the others' is the one they wait for."""

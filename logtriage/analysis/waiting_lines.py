@@ -16,7 +16,7 @@ from logtriage.analysis.hangs import EXIT_STALLED
 from logtriage.analysis.odd_start import odd_line_out
 from logtriage.analysis.refine import at_the_odd_step, stopped_while_waiting_rule
 from logtriage.analysis.roots import RankFacts, RootCause
-from logtriage.analysis.stalls import fell_behind_alone, pieces_before, went_on_alone
+from logtriage.analysis.stalls import at_work_alone, fell_behind_alone, pieces_before, went_on_alone
 from logtriage.analysis.timestamps import Stamp, parse_stamp
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
@@ -50,14 +50,18 @@ def waiting_before_stop(scan: ScanResult, keys: list[StreamKey], root: RootCause
         return root
     last, by_rank = _last_worker_lines(scan, keys, stop.source, stop.line)
     waiting = [rank for rank, (_, text) in by_rank.items() if _WAITING.search(text)]
-    rank = waiting[0] if len(waiting) == 1 and len(by_rank) >= 2 else None
+    # (one rank alone speaking of the workers the launcher stopped, not rank 0, which may log for all: the
+    # silent ones waited for it)
+    workers = sum(f.rule.id == SIGTERM_SENT and f.source == stop.source for f in findings)
+    alone = len(by_rank) == 1 and 0 not in by_rank and workers >= 2
+    rank = waiting[0] if len(waiting) == 1 and (len(by_rank) >= 2 or alone) else None
     odd = odd_line_out({r: text for r, (_, text) in by_rank.items()}) if len(waiting) == len(by_rank) else None
     said = by_rank[rank] if rank is not None else by_rank[odd] if odd is not None else last
     if said is None or not _WAITING.search(said[1]):
         return root
     reasons = ((f"rank {rank}'s last line before the stop says it waits (`{said[1][:120]}`), and every other "
-                "rank's last line says something else: the job stuck where rank " + str(rank) + " waited",)
-               if rank is not None else ())
+                "rank's last line says something else" + (" (they printed none)" if alone else "")
+                + ": the job stuck where rank " + str(rank) + " waited",) if rank is not None else ())
     if odd is not None:
         rank, reasons = odd, (f"every rank's last line before the stop says it waits, and all say the same (each "
                               f"with its own rank's number) but rank {odd}'s (`{said[1][:120]}`): it waits for "
@@ -102,8 +106,8 @@ def _last_worker_lines(scan: ScanResult, keys: list[StreamKey], source: int,
     return last, by_rank
 
 
-def stopped_in_startup(scan: ScanResult, root: RootCause, findings: list[Finding], facts: RankFacts,
-                       catalog: Catalog) -> RootCause:
+def stopped_in_startup(scan: ScanResult, keys: list[StreamKey], root: RootCause, findings: list[Finding],
+                       facts: RankFacts, catalog: Catalog) -> RootCause:
     """An external stop, STARTUP_SECONDS or more after the launcher's first stamped line, of a job
     none of whose ranks printed a step and nothing of which failed: it hung in its start-up
     (a rendezvous or an init that never completed, a wait on a file or a lock)."""
@@ -115,10 +119,17 @@ def stopped_in_startup(scan: ScanResult, root: RootCause, findings: list[Finding
     if ran is None or ran < STARTUP_SECONDS:
         return root
     rule = stopped_while_waiting_rule(catalog)
-    return replace(root, rule=rule, rank=None, ranks=(), confidence=min(root.confidence, 0.35), reasons=root.reasons + (
+    hung = replace(root, rule=rule, rank=None, ranks=(), confidence=min(root.confidence, 0.35), reasons=root.reasons + (
         f"the launcher started the job {ran:.0f} s before the stop, and no rank "
         "printed a single step and nothing failed: start-up never completed (a rendezvous, an init, a wait on a "
         "file or a lock), and the stop ended that hang",))
+    workers = max(len(facts.known), sum(f.rule.id == SIGTERM_SENT and f.source == stop.source for f in findings))
+    rank = at_work_alone(scan, keys, stop.source, stop.line, workers)
+    if rank is None:
+        return hung
+    return replace(hung, rank=rank, ranks=(rank,), reasons=hung.reasons + (
+        f"rank {rank} went on printing what it did after every other rank fell silent: it was still at work, and "
+        "the others waited for it",))
 
 
 def stopped_before_all_stepped(scan: ScanResult, root: RootCause, findings: list[Finding], facts: RankFacts,
