@@ -63,9 +63,11 @@ def test_log_dir_copy_names_the_same_root(case):
     once restarted per file, so rank 1's traceback merged with rank 0's and lost to its gloo error)."""
     rc = triage([str(case.log.with_suffix(""))], TriageOptions()).to_dict()["root_cause"]
     want = case.expectation
-    assert (rc["category"], rc["rule_id"]) == (want.category, want.rule)
+    assert rc["category"] == want.category
+    if want.rule is not None:       # (a label that names no rule leaves the rule open, as compare() does)
+        assert rc["rule_id"] == want.rule
     if want.exception_type is not None:
-        assert rc["exception_type"] == want.exception_type
+        assert rc["exception_type"].rsplit(".", 1)[-1] == want.exception_type.rsplit(".", 1)[-1]
     assert rc["source"].startswith(str(case.log.with_suffix("")))
     if want.rank is not None and want.rule != "dist.collective_mismatch":
         # two ranks that each report the other's mismatch have no odd one out, and separate
