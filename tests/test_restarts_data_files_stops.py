@@ -72,9 +72,9 @@ def test_the_one_rank_that_did_not_go_on_to_the_others_next_line_is_where_a_stop
     assert verdict_and_root("det_evalhang_np3_r1_plain") == ("hung", "hang.stopped_while_waiting", "hang", 1)
 
 
-def test_ranks_that_all_went_on_alike_leave_a_stop_external(tmp_path):
+def test_ranks_that_all_went_on_alike_name_no_rank(tmp_path):
     # the same run with rank 1's eval line put back: every rank's last line is the same message, and nothing
-    # says which rank the others waited for
+    # says which rank the others waited for (the stop still ends a hang: no rank printed after it)
     text = (SAMPLES / "det_evalhang_np3_r1_plain.log").read_text()
     line = "rank 2 eval: 4 images, 9 detections after NMS\n"
     assert line in text
@@ -82,7 +82,7 @@ def test_ranks_that_all_went_on_alike_leave_a_stop_external(tmp_path):
     log.write_text(text.replace(line, line + line.replace("rank 2", "rank 1")))
     report = triage([str(log)]).to_dict()
     assert (report["verdict"], report["root_cause"]["rule_id"], report["root_cause"]["rank"]) == (
-        "failed", "launcher.signal_exception", None)
+        "hung", "hang.stopped_while_waiting", None)
 
 
 @pytest.mark.parametrize("slug, rank, line", [
@@ -142,3 +142,42 @@ def test_a_rank_the_monitored_barrier_names_that_aborted_on_gloos_size_check_is_
     # DETAIL: rank 0's monitoredBarrier names rank 3, which died of SIGABRT after gloo's unprefixed `op.preamble
     # .length <= op.nbytes. 1024 vs 512. Received data size doesn't match expected size`
     assert root_facts("rec_splits_np5_r3_detail") == ("gloo.size_mismatch", "collective_mismatch", 3, 11, None)
+
+
+@pytest.mark.parametrize("slug", ["lrs_stall_np3_r1_tee", "lm_valhang_np3_r1_tee"])
+def test_a_sigterm_to_the_launcher_after_every_rank_went_silent_ends_a_hang(slug):
+    # `timeout 60`: every rank's last line is its progress at one step, nothing failed, and no rank printed after
+    # `Received 15 death signal`; which rank stalled the log does not say
+    assert verdict_and_root(slug) == ("hung", "hang.stopped_while_waiting", "hang", None)
+
+
+def test_workers_that_answer_the_sigterm_were_alive_and_the_stop_is_external():
+    # kill -TERM to torchrun during step 9: every rank's handler prints `SIGTERM received (preemption)` and
+    # finishes step 9 after the agent's stop line
+    assert verdict_and_root("preempt_agentterm_np4_rnone_plain") == (
+        "failed", "launcher.signal_exception", "external_stop", None)
+
+
+def test_a_hand_made_launchers_rank_label_before_torchs_own_prefix_is_stripped():
+    # `sed -u "s/^/[rank $R] /"` in front of `[rank2]: Traceback ...`: the traceback is read, KeyError on rank 2
+    assert root_facts("handl_keyerr_np4_r2_bashsed") == ("python.exception", "python_exception", 2, 15, "KeyError")
+
+
+def test_a_rank_label_alone_stays_in_the_text():
+    from logtriage.demux.prefixes import Dialect, strip_prefixes
+    plain = Dialect()
+    stacked = strip_prefixes("[rank 2] [rank2]: KeyError: 'warmup'", plain)
+    assert (stacked.text, stacked.rank) == ("KeyError: 'warmup'", 2)
+    alone = strip_prefixes("[rank 2] step 3 loss 1.0", plain)
+    assert alone.text == "[rank 2] step 3 loss 1.0"
+
+
+def test_a_supervisors_report_of_a_ranks_exit_code_names_the_rank():
+    # a Popen supervisor: `[launcher] rank 3 exited with code 3` after ranks 2 and 4 lost their peer
+    assert root_facts("handl_exit3_np5_r3_popen") == ("signal.exit_nonzero", "unknown", 3, 50, None)
+
+
+def test_a_missing_training_shard_is_data():
+    # torch.load of `.../shards/train_00004.pt`
+    rc = root_cause("vit_noshard_np5_r4_tee")
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.file_not_found", "python_exception", 4)

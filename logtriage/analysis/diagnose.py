@@ -63,6 +63,7 @@ from logtriage.analysis.stalls import (behind_ranks_ended, heartbeat_odd_one_out
                                        time_limit_ended_hang, watchdog_spared_rank)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
 from logtriage.analysis.waiting_lines import (stopped_after_one_went_on, stopped_before_all_stepped, stopped_in_startup,
+                                             stopped_in_stride,
                                              stopped_with_uneven_progress, waiting_before_stop)
 from logtriage.analysis.stopped import (FINISHED_RULE, log_tail, output_stopped, stalled_before_stop,
                                         still_retrying, stuck_after_warning, unknown_error_line)
@@ -123,6 +124,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = stopped_before_all_stepped(scan, root, findings, facts, catalog)
         root = stopped_after_one_went_on(scan, keys, root, findings, facts, catalog)
         root = time_limit_ended_hang(scan, keys, root, findings)
+        root = stopped_in_stride(scan, root, findings, facts, catalog)
     if root is not None:
         root = timer_reaped(waited_for_a_crash(refused_result_first(root, findings), findings), findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:

@@ -188,6 +188,34 @@ def stopped_after_one_went_on(scan: ScanResult, keys: list[StreamKey], root: Roo
         "others waited for it, and the stop ended the wait",))
 
 
+_TERMINATED = re.compile(r"Received (?:15|SIGTERM) death signal|got signal: 15\b")
+
+
+def stopped_in_stride(scan: ScanResult, root: RootCause, findings: list[Finding], facts: RankFacts,
+                      catalog: Catalog) -> RootCause:
+    """A SIGTERM to the launcher (a `timeout`, a time limit) with nothing failed, STARTUP_SECONDS or more after
+    the job's start, when every rank had printed progress and none printed any after the stop: a live job's
+    workers answer the SIGTERM the agent passes on (a handler's words, the step they finish), stuck ones are
+    silent. The ranks had stopped moving before the stop came, and the stop ended a hang; with every rank's last
+    line at one step, which rank stalled the log does not say."""
+    stop = root.finding
+    if (not _signalled_stop_alone(root, findings) or stop.stamp is None or stop.source >= len(scan.sources)
+            or len(facts.known) < 2 or not facts.known <= facts.last_step.keys()
+            or not any(_TERMINATED.search(f.text) for f in findings
+                       if f.category is Category.EXTERNAL_STOP and f.source == stop.source)):
+        return root
+    if any(source != stop.source or last >= stop.line for source, _, last, _ in facts.last_progress.values()):
+        return root
+    ran = _seconds_before_stop(scan, stop)
+    if ran is None or ran < STARTUP_SECONDS:
+        return root
+    return replace(root, rule=stopped_while_waiting_rule(catalog), rank=None, ranks=(), confidence=min(
+        root.confidence, 0.3), reasons=root.reasons + (
+        f"a SIGTERM to the launcher {ran:.0f} s after the job's start, nothing failed, every rank had printed progress "
+        "and no rank printed any after the stop (a live job's workers answer the SIGTERM passed on to them): the "
+        "ranks had stopped moving before the stop came, and the stop ended that hang",))
+
+
 def _seconds_before_stop(scan: ScanResult, stop: Finding) -> float | None:
     """Seconds from the first line of the input stamped like the stop (the launcher's start) to the stop."""
     head = read_lines(scan.sources[stop.source], scan.indexes[stop.source], list(range(1, min(stop.line, 40))))

@@ -48,6 +48,8 @@ from logtriage.demux.prefix_shapes import (
 
 __all__ = ["Dialect", "Prefixes", "line_prefix_end", "strip_prefixes"]
 
+_SPACED_RANK = re.compile(r"\[[Rr]ank (\d{1,9})\] ")
+
 
 def _rich_message(text: str, gutter: int) -> tuple[str, bool]:
     """A row of rich's logging layout from its level on, without the caller's path at the right (a
@@ -172,6 +174,14 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
     if m and rank is None:
         rank, text = int(m.group(1)), text[m.end():]
         layers.append("template")
+    elif text[:6] in ("[rank ", "[Rank ") and (m := _SPACED_RANK.match(text)):
+        # a hand-made launcher's label (`sed "s/^/[rank $R] /"`) before torch's own `[rank2]: ` that names the
+        # same rank: the label goes and the excepthook's traceback is read (alone, `[rank 2] ` stays a marker
+        # in the text, as a program's logging format writes it)
+        inner = EXCEPTHOOK.match(text[m.end():])
+        if inner and inner.group(1) == m.group(1) and rank is None:
+            text = text[m.end():]
+            layers.append("template")
     m = EXCEPTHOOK.match(text)
     if m:
         rank = int(m.group(1))
