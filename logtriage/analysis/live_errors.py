@@ -98,7 +98,8 @@ def _restart_echoes(live: list[Finding]) -> list[Finding]:
     since = {}
     for f in echoes:
         since[f.source] = min(since.get(f.source, f.seq), f.seq)
-    return [f for f in live if f not in echoes and not (
+    dropped = {id(f) for f in echoes}
+    return [f for f in live if id(f) not in dropped and not (
         f.stream.kind is StreamKind.LAUNCHER and f.source in since and f.seq > since[f.source])]
 
 

@@ -134,7 +134,7 @@ def at_work_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int
     if len(last) == 1:
         return rank if rank != 0 and workers >= 2 else None
     others = max(n for r, n in last.items() if r != rank)
-    return rank if len(last) >= 2 and workers >= 3 and sum(n > others for n in lines[rank]) >= 2 else None
+    return rank if workers >= 3 and sum(n > others for n in lines[rank]) >= 2 else None
 
 
 def heartbeat_odd_one_out(scan: ScanResult, keys: list[StreamKey], root: RootCause) -> RootCause:
