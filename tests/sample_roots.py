@@ -30,3 +30,13 @@ def verdict_and_root(slug: str) -> tuple:
     report = sample_report(slug)
     rc = report["root_cause"]
     return report["verdict"], rc["rule_id"], rc["category"], rc["rank"]
+
+
+def edited_report(slug: str, old: str, new: str, folder: Path) -> dict:
+    """The JSON report of a copy of sample_logs/cpu_adhoc/<slug>.log, written into `folder`, whose every `old`
+    is `new` (the run as it would have been had one line said otherwise)."""
+    text = (SAMPLES / f"{slug}.log").read_text()
+    assert old in text
+    log = folder / f"{slug}.edited.log"
+    log.write_text(text.replace(old, new))
+    return triage([str(log)]).to_dict()

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from logtriage.api import triage
-from sample_roots import SAMPLES, root_cause, root_facts, sample_report, verdict_and_root
+from sample_roots import edited_report, root_cause, root_facts, sample_report, verdict_and_root
 
 
 @pytest.mark.parametrize("slug, rank, line", [
@@ -49,11 +48,8 @@ def test_a_missing_data_file_saved_with_torch_save_is_not_a_checkpoint(slug, ran
 
 def test_a_missing_file_named_for_checkpoints_stays_a_checkpoint(tmp_path):
     # the same run, its shard renamed into a checkpoint folder: a checkpoint not found again
-    text = (SAMPLES / "launchm_shard_np6_r3_filter.log").read_text()
-    assert "/data/shard_00003.pt" in text
-    log = tmp_path / "ckpt_shard.log"
-    log.write_text(text.replace("/data/shard_00003.pt", "/data/ckpt/shard_00003.pt"))
-    rc = triage([str(log)]).to_dict()["root_cause"]
+    rc = edited_report("launchm_shard_np6_r3_filter", "/data/shard_00003.pt", "/data/ckpt/shard_00003.pt",
+                       tmp_path)["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("ckpt.not_found", "checkpoint", 3)
 
 
@@ -75,12 +71,8 @@ def test_the_one_rank_that_did_not_go_on_to_the_others_next_line_is_where_a_stop
 def test_ranks_that_all_went_on_alike_name_no_rank(tmp_path):
     # the same run with rank 1's eval line put back: every rank's last line is the same message, and nothing
     # says which rank the others waited for (the stop still ends a hang: no rank printed after it)
-    text = (SAMPLES / "det_evalhang_np3_r1_plain.log").read_text()
     line = "rank 2 eval: 4 images, 9 detections after NMS\n"
-    assert line in text
-    log = tmp_path / "all_went_on.log"
-    log.write_text(text.replace(line, line + line.replace("rank 2", "rank 1")))
-    report = triage([str(log)]).to_dict()
+    report = edited_report("det_evalhang_np3_r1_plain", line, line + line.replace("rank 2", "rank 1"), tmp_path)
     assert (report["verdict"], report["root_cause"]["rule_id"], report["root_cause"]["rank"]) == (
         "hung", "hang.stopped_while_waiting", None)
 
@@ -103,11 +95,8 @@ def test_the_one_rank_still_at_work_in_a_stopped_start_up_is_where_the_others_wa
 
 def test_rank_0_alone_speaking_in_a_stopped_start_up_names_no_rank(tmp_path):
     # the same run with the line said by rank 0: a program that logs on rank 0 only says nothing of the others
-    text = (SAMPLES / "rec_slowtable_np3_r2_plain.log").read_text()
-    assert "rank 2: loading warm-start tables" in text
-    log = tmp_path / "rank0_only.log"
-    log.write_text(text.replace("rank 2: loading warm-start tables", "rank 0: loading warm-start tables"))
-    report = triage([str(log)]).to_dict()
+    report = edited_report("rec_slowtable_np3_r2_plain", "rank 2: loading warm-start tables",
+                           "rank 0: loading warm-start tables", tmp_path)
     assert (report["verdict"], report["root_cause"]["rank"]) == ("hung", None)
 
 
@@ -130,11 +119,8 @@ def test_the_rank_whose_last_line_says_another_size_sent_the_message_gloo_aborte
 
 
 def test_last_lines_alike_leave_gloos_abort_on_the_receiver(tmp_path):
-    text = (SAMPLES / "gan_fidshape_np4_r1_plain.log").read_text()
-    assert "128 fakes, 10-dim features" in text
-    log = tmp_path / "alike.log"
-    log.write_text(text.replace("128 fakes, 10-dim features", "128 fakes, 6-dim features"))
-    rc = triage([str(log)]).to_dict()["root_cause"]
+    rc = edited_report("gan_fidshape_np4_r1_plain", "128 fakes, 10-dim features", "128 fakes, 6-dim features",
+                       tmp_path)["root_cause"]
     assert (rc["rule_id"], rc["rank"]) == ("gloo.size_mismatch", 0)
 
 
