@@ -86,21 +86,25 @@ def _restart_echoes(live: list[Finding]) -> list[Finding]:
     restarted workers' lines carry no rank (an error before `init_process_group` returned has no
     `[rankN]:` prefix), so no attempt is known for them: the agent restarts only after it reported a
     failure, and a first start that cannot connect fails before any such report."""
-    reported = {}
-    for f in live:
-        if f.stream.kind is StreamKind.LAUNCHER and f.rank is not None and f.rule.id not in _RESTART_ECHOES:
-            reported[f.source] = min(reported.get(f.source, f.seq), f.seq)
+    reported = _first_by_source(f for f in live if f.stream.kind is StreamKind.LAUNCHER and f.rank is not None
+                                and f.rule.id not in _RESTART_ECHOES)
     echoes = [f for f in live if f.rule.id in _RESTART_ECHOES and f.stream.kind is not StreamKind.RANK
               and f.source in reported and f.seq > reported[f.source]]
     if not echoes:
         return live
     # the agent's reports of the restarted workers' exits come after the echo and say no more
-    since = {}
-    for f in echoes:
-        since[f.source] = min(since.get(f.source, f.seq), f.seq)
+    since = _first_by_source(echoes)
     dropped = {id(f) for f in echoes}
     return [f for f in live if id(f) not in dropped and not (
         f.stream.kind is StreamKind.LAUNCHER and f.source in since and f.seq > since[f.source])]
+
+
+def _first_by_source(findings) -> dict[int, int]:
+    """Each source's earliest finding's place (seq) among these."""
+    first: dict[int, int] = {}
+    for f in findings:
+        first[f.source] = min(first.get(f.source, f.seq), f.seq)
+    return first
 
 
 def _after_store_lost(live: list[Finding]) -> list[Finding]:

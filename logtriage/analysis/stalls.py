@@ -79,19 +79,27 @@ def time_limit_ended_hang(scan: ScanResult, keys: list[StreamKey], root: RootCau
                      reasons)
 
 
-def went_on_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> int | None:
-    """The one rank whose last line before `end` is not a progress line, where every other rank's
-    last line is one, all at the step that rank last reported too."""
-    last: dict[int, int | None] = {}       # rank -> the step of its last line (None: not a progress line)
+def _last_lines(scan: ScanResult, keys: list[StreamKey], source: int, end: int
+                ) -> tuple[dict[int, tuple[int | None, str]], dict[int, int]]:
+    """Each rank's last line before `end` (its step, None for a line that is not progress, and the line with
+    its numbers masked), and the step of each rank's last progress line."""
+    last: dict[int, tuple[int | None, str]] = {}
     steps: dict[int, int] = {}
     for rank, piece in _ranked_pieces(scan, keys, source, end):
         if not piece.strip():
             continue
         step = step_number(piece)
-        last[rank] = step
+        last[rank] = (step, piece)
         if step is not None:
             steps[rank] = step
-    went_on = [r for r, step in last.items() if step is None]
+    return last, steps
+
+
+def went_on_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> int | None:
+    """The one rank whose last line before `end` is not a progress line, where every other rank's
+    last line is one, all at the step that rank last reported too."""
+    last, steps = _last_lines(scan, keys, source, end)
+    went_on = [r for r, (step, _) in last.items() if step is None]
     if len(last) < 2 or len(went_on) != 1 or len(set(steps.values())) != 1 or set(steps) != set(last):
         return None
     return went_on[0]
@@ -101,19 +109,11 @@ def fell_behind_alone(scan: ScanResult, keys: list[StreamKey], source: int, end:
     """The one rank whose last line before `end` is its progress line, where every other rank's last
     line is one same message (numbers aside) after its progress at that same step (`rank 0 eval: 4
     images`): the others went on from that step together, and it did not."""
-    last: dict[int, tuple[int | None, str]] = {}    # rank -> (the step of its last line, that line masked)
-    steps: dict[int, int] = {}
-    for rank, piece in _ranked_pieces(scan, keys, source, end):
-        if not piece.strip():
-            continue
-        step = step_number(piece)
-        last[rank] = (step, mask_numbers(piece).strip())
-        if step is not None:
-            steps[rank] = step
+    last, steps = _last_lines(scan, keys, source, end)
     behind = [r for r, (step, _) in last.items() if step is not None]
     if len(last) < 3 or len(behind) != 1 or set(steps) != set(last) or len(set(steps.values())) != 1:
         return None
-    went_on = {text for r, (_, text) in last.items() if r != behind[0]}
+    went_on = {mask_numbers(piece).strip() for r, (_, piece) in last.items() if r != behind[0]}
     return behind[0] if len(went_on) == 1 else None
 
 

@@ -30,7 +30,8 @@ STARTUP_SECONDS = 30.0   # from the launcher's start to the stop, no step printe
 SIGTERM_SENT = "launcher.sigterm_sent"   # the agent stopping a worker by pid: one was there
 # the launcher's words for the signal it got: SIGTERM (a `timeout`, a scheduler) or SIGINT (Ctrl-C);
 # a SIGHUP is a closed terminal, which says nothing of the job
-_STOPPED_BY = re.compile(r"Received (?:15|2|SIGTERM|SIGINT) death signal|got signal: (?:15|2)\b")
+_STOPPED_BY = re.compile(r"Received (15|2|SIGTERM|SIGINT) death signal|got signal: (15|2)\b")
+_TERMINATION = frozenset({"15", "SIGTERM"})   # of those, the signal a `timeout` or a time limit sends
 _WORKER_KINDS = frozenset({StreamKind.RANK, StreamKind.UNATTRIBUTED})
 # since the wait began, these are no failure of their own: the stop, and a watchdog's report of the
 # stall (faulthandler's `Timeout (0:00:10)!` stacks) that says the wait went on
@@ -52,8 +53,7 @@ def waiting_before_stop(scan: ScanResult, keys: list[StreamKey], root: RootCause
     waiting = [rank for rank, (_, text) in by_rank.items() if _WAITING.search(text)]
     # (one rank alone speaking of the workers the launcher stopped, not rank 0, which may log for all: the
     # silent ones waited for it)
-    workers = sum(f.rule.id == SIGTERM_SENT and f.source == stop.source for f in findings)
-    alone = len(by_rank) == 1 and 0 not in by_rank and workers >= 2
+    alone = len(by_rank) == 1 and 0 not in by_rank and _workers_stopped(findings, stop.source) >= 2
     rank = waiting[0] if len(waiting) == 1 and (len(by_rank) >= 2 or alone) else None
     odd = odd_line_out({r: text for r, (_, text) in by_rank.items()}) if len(waiting) == len(by_rank) else None
     said = by_rank[rank] if rank is not None else by_rank[odd] if odd is not None else last
@@ -123,7 +123,7 @@ def stopped_in_startup(scan: ScanResult, keys: list[StreamKey], root: RootCause,
         f"the launcher started the job {ran:.0f} s before the stop, and no rank "
         "printed a single step and nothing failed: start-up never completed (a rendezvous, an init, a wait on a "
         "file or a lock), and the stop ended that hang",))
-    workers = max(len(facts.known), sum(f.rule.id == SIGTERM_SENT and f.source == stop.source for f in findings))
+    workers = max(len(facts.known), _workers_stopped(findings, stop.source))
     rank = at_work_alone(scan, keys, stop.source, stop.line, workers)
     if rank is None:
         return hung
@@ -188,9 +188,6 @@ def stopped_after_one_went_on(scan: ScanResult, keys: list[StreamKey], root: Roo
         "others waited for it, and the stop ended the wait",))
 
 
-_TERMINATED = re.compile(r"Received (?:15|SIGTERM) death signal|got signal: 15\b")
-
-
 def stopped_in_stride(scan: ScanResult, root: RootCause, findings: list[Finding], facts: RankFacts,
                       catalog: Catalog) -> RootCause:
     """A SIGTERM to the launcher (a `timeout`, a time limit) with nothing failed, STARTUP_SECONDS or more after
@@ -201,8 +198,8 @@ def stopped_in_stride(scan: ScanResult, root: RootCause, findings: list[Finding]
     stop = root.finding
     if (not _signalled_stop_alone(root, findings) or stop.stamp is None or stop.source >= len(scan.sources)
             or len(facts.known) < 2 or not facts.known <= facts.last_step.keys()
-            or not any(_TERMINATED.search(f.text) for f in findings
-                       if f.category is Category.EXTERNAL_STOP and f.source == stop.source)):
+            or not any((m := _STOPPED_BY.search(f.text)) and (m.group(1) or m.group(2)) in _TERMINATION
+                       for f in findings if f.category is Category.EXTERNAL_STOP and f.source == stop.source)):
         return root
     if any(source != stop.source or last >= stop.line for source, _, last, _ in facts.last_progress.values()):
         return root
@@ -214,6 +211,11 @@ def stopped_in_stride(scan: ScanResult, root: RootCause, findings: list[Finding]
         f"a SIGTERM to the launcher {ran:.0f} s after the job's start, nothing failed, every rank had printed progress "
         "and no rank printed any after the stop (a live job's workers answer the SIGTERM passed on to them): the "
         "ranks had stopped moving before the stop came, and the stop ended that hang",))
+
+
+def _workers_stopped(findings: list[Finding], source: int) -> int:
+    """How many worker processes the launcher stopped by pid in that source (`Sending process N closing signal`)."""
+    return sum(f.rule.id == SIGTERM_SENT and f.source == source for f in findings)
 
 
 def _seconds_before_stop(scan: ScanResult, stop: Finding) -> float | None:

@@ -64,6 +64,8 @@ TEMPLATE_RANK = re.compile(r"(?:^|[|,;\s])(?:global_)?(?:rank|r)[=:\s]?(\d{1,12}
 # logging format's `[rank=2] `, `[rank: 2] `, `[Rank 2] `); torch's excepthook `[rank2]:` is not this
 # (`[rank 2] ` and `[Rank 2] ` are a user's rank marker, read as such by the demuxer and the fast scan alike)
 RANK_LABEL = re.compile(r"^\[(?:[Rr][Aa][Nn][Kk][=:] ?|RANK )(\d{1,9})\]:? ")
+# a hand-made launcher's `sed "s/^/[rank $R] /"` label: stripped only in front of torch's own `[rank2]: `
+SPACED_RANK_LABEL = re.compile(r"\[[Rr]ank (\d{1,9})\] ")
 # a line-prefix template's own label (`TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[r${rank}] '`): one short
 # word (or none) and the rank; global for `r`/`rank` or no word, else the role's local rank, as --tee's;
 # a hyphen may stand between them (`'[${role_name}-${local_rank}] '`: `[worker-2] `)

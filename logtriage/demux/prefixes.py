@@ -43,12 +43,10 @@ from dataclasses import dataclass
 from logtriage.demux.clean import after_bar
 from logtriage.demux.dialect import Dialect
 from logtriage.demux.prefix_shapes import (
-    BRACKET_LABEL, EXCEPTHOOK, GLOBAL_WORDS, RANK_LABEL, RAY, RICH_HEAD, RICH_PATH, STREAM_TAG, TEE, TEE_HOST,
-    TEE_WIDE, TEMPLATE, TEMPLATE_LOCAL, TEMPLATE_RANK, VLLM_PROCESS, is_quoted, unquote)
+    BRACKET_LABEL, EXCEPTHOOK, GLOBAL_WORDS, RANK_LABEL, RAY, RICH_HEAD, RICH_PATH, SPACED_RANK_LABEL, STREAM_TAG, TEE,
+    TEE_HOST, TEE_WIDE, TEMPLATE, TEMPLATE_LOCAL, TEMPLATE_RANK, VLLM_PROCESS, is_quoted, unquote)
 
 __all__ = ["Dialect", "Prefixes", "line_prefix_end", "strip_prefixes"]
-
-_SPACED_RANK = re.compile(r"\[[Rr]ank (\d{1,9})\] ")
 
 
 def _rich_message(text: str, gutter: int) -> tuple[str, bool]:
@@ -174,7 +172,7 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
     if m and rank is None:
         rank, text = int(m.group(1)), text[m.end():]
         layers.append("template")
-    elif text[:6] in ("[rank ", "[Rank ") and (m := _SPACED_RANK.match(text)):
+    elif text[:6] in ("[rank ", "[Rank ") and (m := SPACED_RANK_LABEL.match(text)):
         # a hand-made launcher's label (`sed "s/^/[rank $R] /"`) before torch's own `[rank2]: ` that names the
         # same rank: the label goes and the excepthook's traceback is read (alone, `[rank 2] ` stays a marker
         # in the text, as a program's logging format writes it)
