@@ -11,10 +11,10 @@ from logtriage.analysis.childfailed import ChildFailure, parse_child_failures
 from logtriage.analysis.diverged import different_collectives_at_one_seq
 from logtriage.analysis.early_stop import stopped_early_peer
 from logtriage.analysis.environment import Environment, collect_environment
-from logtriage.analysis.exceptions import (checkpoint_io, error_file_exception, frame_reading,
-                                           probe_json_without_banner, same_error_in_summary)
+from logtriage.analysis.exceptions import checkpoint_io, frame_reading, probe_json_without_banner
 from logtriage.analysis.ext_build import own_source_compile_error
 from logtriage.analysis.fallback_roots import cut_traceback, exit_only_root, unrecognised_exception
+from logtriage.analysis.summary_exceptions import error_file_exception, same_error_in_summary
 from logtriage.analysis.findings import Finding, resolve_findings, srun_tasks_are_nodes
 from logtriage.analysis.hangs import (
     finished_then_stopped,
