@@ -79,14 +79,17 @@ _SIGNED_OFF = re.compile(r"\b(?:done|finished|completed?|exiting)[.!]?\s*$|\b(?:
                          r"(?:\d+\s+(?:steps?|epochs?|iterations?|iters?|batches)\b|(?:final|mean|avg|average|last|best)"
                          r"\s+(?:loss|acc(?:uracy)?|metric)\b)"
                          rf"|\b(?:done|finished|completed?)[:,]?\s+{_COUNT}(?:[,;]?\s+{_COUNT})*[.]?\s*$", re.IGNORECASE)
+# a line that sums a finished run up (`final val_loss 0.2204`, `best acc 0.91`), and says nothing of errors
+_SUMMED_UP = re.compile(r"^(?!.*\b(?:error|fail\w*|warn\w*|wait\w*|timed? ?out)\b).*\b(?:final|total|best|summary)\b",
+                        re.IGNORECASE)
 # pdsh's `worker-1: ` before a line read back (the demuxer's dialect is not kept with the scan)
 PDSH_HOST = re.compile(r"^[\w.-]+: (?=\S)")
 
 
 def _every_rank_signed_off(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine], facts: RankFacts) -> bool:
-    """Every known rank's last line in the log's end says it is done: each rank finished its script
-    (and the launcher, at its default log level, prints nothing on success)."""
-    last: dict[int, str] = {}
+    """Every known rank's last line in the log's end says it is done, or sums the run up after a line
+    that did: each rank finished its script (and the launcher, at its default log level, prints nothing on success)."""
+    signed: dict[int, bool] = {}
     for source, number, text in tail:
         message = message_of(text)
         # the script's own `rank N ...` at the line's start
@@ -95,9 +98,10 @@ def _every_rank_signed_off(scan: ScanResult, keys: list[StreamKey], tail: list[T
         if rank is None and number - 1 < len(scan.indexes[source].slots):
             rank = keys[scan.slots.final(scan.indexes[source].slots[number - 1])].rank_or_none
         if rank is not None:
-            last[rank] = message
-    return bool(facts.known) and facts.known <= last.keys() and all(
-        _SIGNED_OFF.search(last[rank]) for rank in facts.known)
+            # a sum-up after the word (`done`, then `final val_loss 0.22`) keeps the rank signed off
+            signed[rank] = bool(_SIGNED_OFF.search(message)) or (
+                signed.get(rank, False) and bool(_SUMMED_UP.search(message)))
+    return bool(facts.known) and facts.known <= signed.keys() and all(signed[rank] for rank in facts.known)
 
 
 def _without_environment_report(tail: list[TailLine]) -> list[TailLine]:

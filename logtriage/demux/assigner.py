@@ -25,6 +25,9 @@ _LAUNCHER_EXCEPTIONS = re.compile(r"(?:ChildFailedError|SignalException|Rendezvo
                                   r"RendezvousTimeoutError|RendezvousClosedError|ProcessRaisedException|"
                                   r"ProcessExitedException)\b")
 
+# how many lines of other processes may stand between an ignored exception's header and its traceback
+UNANSWERED_HEADER_REACH = 8
+
 
 class Assigner:
     """Stateful per input run; call feed() for each cleaned line, then close()."""
@@ -42,6 +45,9 @@ class Assigner:
         self.error_record_slot: int | None = None
         self.spawn_rank: int | None = None
         self.pending_rule: int | None = None
+        # lines left in which a bare traceback answers a header of an ignored exception (`--- Logging
+        # error ---`) that other processes' lines cut off from it
+        self.unanswered_header = 0
         self.blocks: dict[int, tuple[B.BlockKind, int]] = {}   # block id -> (kind, slot)
         self.tracebacks = TracebackFacts()
         facts.new_console()     # a source file is a console of its own
@@ -71,6 +77,8 @@ class Assigner:
         if "ray" in p.layers:
             self.facts.ray_workers = True
         self._settle_pending_rule(text)
+        if self.unanswered_header:
+            self.unanswered_header -= 1
         if p.host:
             self._note_host_rank(p)
         rank = p.rank if p.rank is not None else p.local_rank
@@ -177,6 +185,11 @@ class Assigner:
             return self._part(self.pending_rule, text)
         marker = find_rank_marker(text)
         if B.TRACEBACK_START.match(text):
+            if self.unanswered_header:
+                self.unanswered_header = 0
+                part = self._open(B.BlockKind.IGNORED, slots.fixed(StreamKind.UNATTRIBUTED), text, bare=True)
+                self.block.state["traceback"] = True
+                return part
             return self._open(B.BlockKind.TRACEBACK, slots.new_block(), text, bare=True)
         slot = self._rank_slot(marker, "") if marker is not None else slots.fixed(StreamKind.UNATTRIBUTED)
         if marker is not None and text.endswith("Traceback (most recent call last):"):
@@ -226,6 +239,8 @@ class Assigner:
 
     def _close_block(self) -> None:
         block, self.block = self.block, None
+        if block is not None and block.kind is B.BlockKind.IGNORED and not block.state.get("traceback"):
+            self.unanswered_header = UNANSWERED_HEADER_REACH
         if block is None or block.kind is not B.BlockKind.TRACEBACK:
             return
         exception = block.state.get("exception", "")

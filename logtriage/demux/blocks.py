@@ -33,6 +33,8 @@ TRACEBACK_START = re.compile(r"^Traceback \(most recent call last\):\s*$")
 # the traceback and the call stack, and the program went on)
 IGNORED_START = re.compile(r"^(?:Exception ignored (?:in|on)\b|--- Logging error ---\s*$"
                            r"|Error in atexit\._run_exitfuncs:\s*$)")
+# what the logging module prints under a handler's failed record's traceback
+_LOGGING_TAIL = re.compile(r"^(?:Call stack:|Message: |Arguments: )")
 # a chained traceback's link: what follows is the next exception of the chain
 CHAIN = re.compile(r"^(?:During handling of the above exception, another exception occurred:"
                    r"|The above exception was the direct cause of the following exception:)\s*$")
@@ -76,6 +78,12 @@ def continues(kind: BlockKind, text: str, state: dict) -> bool:
         if not state.get("traceback"):
             state["traceback"] = bool(TRACEBACK_START.match(text))
             return state["traceback"]
+        if state.get("logging_tail") or _LOGGING_TAIL.match(text):
+            # logging's record under its traceback: `Call stack:`, the caller's frames, `Message: `, `Arguments: `
+            if state.get("logging_tail") == "done":
+                return False
+            state["logging_tail"] = "done" if text.startswith("Arguments: ") else True
+            return text.startswith((" ", "\t")) or bool(_LOGGING_TAIL.match(text))
         return _continues_traceback(text, state)
     if not text:
         if kind is BlockKind.CPP:
