@@ -312,6 +312,16 @@ def test_a_templates_word_and_number_label_names_the_rank_where_the_log_uses_it_
     assert Dialect.detect([f"[epoch{e}] loss 0.5" for e in range(4)]).bracket_label is None
 
 
+def test_a_bracketed_label_that_torchs_own_rank_label_belies_is_a_nodes():
+    # two agents' consoles through `sed 's/^/[nodeK] /'` (cpu_adhoc twon_segv_np4_r3_pdsh2): `[node1] [rank3]: `
+    lines = ([f"[node{k}] W1205 00:31:31.959000 13170 torch/distributed/run.py:874] " for k in (0, 1)] * 3
+             + [f"[node{r // 2}] [rank{r}]: RuntimeError: Connection closed by peer" for r in range(4)] * 2)
+    dialect = Dialect.detect(lines)
+    assert (dialect.bracket_label, dialect.bracket_hosts, dialect.hosts) == (None, True, {"node0", "node1"})
+    p = strip_prefixes("[node1] [rank3]: RuntimeError: Connection closed by peer", dialect)
+    assert (p.host, p.rank, p.text) == ("node1", 3, "RuntimeError: Connection closed by peer")
+
+
 def test_local_ranks_that_are_not_global_ranks_are_scoped_only_where_the_log_shows_it():
     # --tee's `[default2]:` is a local rank; on a second node's console (sample_logs/cpu_adhoc/
     # sigbus_np8_r6_srun2, node 1) its traceback lines say `[default3]:[rank7]:`, its summary

@@ -1,7 +1,8 @@
 """A run whose ranks sum up after saying done, logging's error block cut off from its traceback by other ranks'
-lines, a finite check of an expression, torch.save's stream failing under a file-size limit, and a program's own
-line about a full disk: real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the 129th-133rd batches, each labelled
-before triage ran; the test names the run)."""
+lines, a finite check of an expression, torch.save's stream failing under a file-size limit, a program's own line
+about a full disk or an unset variable, the rank whose late line names another size under gloo's abort, a restart
+that never met again, and nodes labelled `[node1] `: real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the
+129th-138th batches and earlier ones, each labelled before triage ran; the test names the run)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,14 @@ import pytest
 from sample_roots import edited_report, root_facts, sample_report
 
 
-def test_ranks_that_sum_up_after_saying_done_finished():
+@pytest.mark.parametrize("slug", [
     # every rank logs `trainer: done`, then `trainer: final val_loss 0.2204...`; torchrun prints nothing on success
-    report = sample_report("trnr_none_np4_rnone_plain")
+    "trnr_none_np4_rnone_plain",
+    # every rank's last line: `rank 2 done, best f1 0.7222`
+    "evalm_none_np3_rnone_plain",
+])
+def test_ranks_that_sum_up_as_they_say_done_finished(slug):
+    report = sample_report(slug)
     assert (report["verdict"], report["root_cause"]) == ("ok", None)
 
 
@@ -67,3 +73,37 @@ def test_torch_saves_stream_failing_is_a_failed_checkpoint_write(slug, rank, lin
 ])
 def test_a_programs_own_error_about_a_full_disk_is_the_file_system(slug, rank, line):
     assert root_facts(slug) == ("host.filesystem_error", "environment", rank, line, None)
+
+
+def test_a_programs_own_line_about_an_unset_variable_is_the_environment():
+    # `noisy: scratch directory not configured on vm (NOISY_SCRATCH is unset), rank 2`, then sys.exit(1), among
+    # 30-line config dumps, warnings and progress bars
+    assert root_facts("noisy_env_np5_r2_loglevel") == ("env.program_variable_unset", "environment", 2, 152, None)
+
+
+@pytest.mark.parametrize("slug, rank, line", [
+    # rank 1 aborts (`120 vs 96`); rank 2's last line says `batch 10` where every other rank's says `batch 8`,
+    # and rank 3's same line comes after the abort (its output was late)
+    ("curr_schedmis_np4_r2_tee", 2, 36),
+    # the ranks that early-stopped say `wait 2`, rank 1 `wait 1` (an earlier known miss)
+    ("estop_patreset_np5_r1_tee_trainer", 1, 96),
+])
+def test_gloos_size_abort_moves_to_the_rank_whose_late_line_names_another_size(slug, rank, line):
+    assert root_facts(slug) == ("gloo.size_mismatch", "collective_mismatch", rank, line, None)
+
+
+def test_a_restart_that_times_out_in_ddps_constructor_is_the_echo_of_the_first_attempt():
+    # attempt 0: rank 1 exits -11 (`failed (exitcode: -11) local_rank: 1`); the restarted rank 0 times out in
+    # _verify_param_shape_across_processes: the restarted group never met again
+    assert root_facts("evalm_segv_np3_r1_restart") == ("signal.sigsegv", "crash_signal", 1, 55, None)
+
+
+def test_a_restart_that_stalls_after_its_steps_is_its_own_failure():
+    # attempt 1 trains to step 3, where rank 3 sleeps and the others time out in DDP's all-reduce: labelled by it
+    assert root_facts("hang_after_exc_np4_r3_plain")[:3] == ("gloo.timeout", "collective_timeout", 3)
+
+
+def test_a_nodes_bracket_label_is_a_host_not_a_rank():
+    # `[node1] [rank3]: ...`: torch's own rank label after `[node1] ` names other numbers; node 1's summary says
+    # `rank : 3 (local_rank: 1)` `exitcode : -11`, so its agent's `local_rank: 1` is global rank 3
+    assert root_facts("twon_segv_np4_r3_pdsh2")[:3] == ("signal.sigsegv", "crash_signal", 3)

@@ -37,9 +37,9 @@ _CHECKPOINT_PATH = re.compile(r"'[^']*(?:checkpoint|ckpt)[^']*'|'[^']*\.(?:pt|pt
 _COPY_COMMAND = re.compile(r"Command '\[?'?(?:\S*/)?(?:tar|cp|rsync|mv|zip|gzip|pigz|zstd|gsutil|aws|azcopy|rclone|scp|"
                            r"s5cmd)\b")
 # a missing file that is data by its name: under a data folder, a model's outputs or features cached
-# for another pass, a partition of a graph or a dataset (`data/shard_00003.pt`, `teacher_logits.pt`,
-# `part_3.pt`, `shards/train_00004.pt`); never one named for checkpoints (_CHECKPOINT_NAMED)
-_DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:/data/|/datasets?/|/shards?/|logits|features|embeddings|"
+# for another pass, a partition of a graph or a dataset (`data/shard_00003.pt`, `data_node0/shard_002.pt`,
+# `teacher_logits.pt`, `part_3.pt`, `shards/train_00004.pt`); never one named for checkpoints (_CHECKPOINT_NAMED)
+_DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:/data[\w.-]*/|/shards?/|logits|features|embeddings|"
                         r"tokeni[sz]ed|partitions?[/_.]|/part_\d+\.|/(?:train|val|valid|test|eval)[_.-]\d+\.)[^']*'",
                         re.IGNORECASE)
 _CHECKPOINT_NAMED = re.compile(r"No such file or directory: '[^']*(?:checkpoint|ckpt)[^']*'", re.IGNORECASE)

@@ -66,18 +66,28 @@ def _final_attempt(live: list[Finding]) -> list[Finding]:
     in the chain), without the launcher's reports from before it; a stall (its timeouts) counts.
     An attempt whose workers only lost their peers, or could not form the group again (gloo's connectFullMesh refused: the
     restarted workers read the last attempt's addresses from the agent's store), failed of the
-    earlier attempt's failure."""
+    earlier attempt's failure; so did one whose workers only timed out in DDP's constructor (the
+    restarted group never met again: its first collective waited on a worker that did not come back)."""
     own = [f for f in live if f.stream.kind is StreamKind.RANK and f.rule.id not in _RESTART_ECHOES
            and (f.role is not Role.CASCADE_CANDIDATE or f.category is Category.COLLECTIVE_TIMEOUT)]
     last = max((f.stream.attempt for f in own), default=0)
     if not last:
         return live
-    begun = min(f.seq for f in own if f.stream.attempt == last)
+    mine = [f for f in own if f.stream.attempt == last]
+    begun = min(f.seq for f in mine)
+    if all(f.category is Category.COLLECTIVE_TIMEOUT and f.last_frame in DDP_CONSTRUCTION_FRAMES for f in mine):
+        dropped = {id(f) for f in mine}
+        return [f for f in live if id(f) not in dropped
+                and not (f.stream.kind is StreamKind.LAUNCHER and f.seq >= begun)]
     return [f for f in live if (f.stream.attempt == last if f.stream.kind is StreamKind.RANK
                                 else f.seq >= begun or f.stream.kind is not StreamKind.LAUNCHER)]
 
 
 _RESTART_ECHOES = frozenset({"gloo.connect_full_mesh"})
+# DDP's constructor's first collectives (its check of every rank's parameter shapes, the broadcast of rank 0's
+# weights): a timeout there means the ranks never all reached the model
+DDP_CONSTRUCTION_FRAMES = frozenset({"_verify_param_shape_across_processes", "_sync_module_states",
+                                     "_sync_params_and_buffers"})
 
 
 def _restart_echoes(live: list[Finding]) -> list[Finding]:

@@ -68,21 +68,44 @@ def odd_start_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause, fac
         "its own way, and the others waited on it",))
 
 
+# lines after gloo's abort in which another rank's last plain line may still come (its output was buffered)
+LATE_LINES = 40
+_NOT_PLAIN = re.compile(r"Traceback|Error|error|terminate called|what\(\)|^\s|File \"|Signal|signal")
+
+
 def _last_line_out(scan: ScanResult, keys: list[StreamKey], root: RootCause, facts: RankFacts) -> RootCause:
-    """gloo's size abort, where the ranks started alike: the one rank whose last line before the abort says
-    another number than every other rank's same line (`rank 1 eval: 128 reals, 128 fakes, 10-dim features`
-    where the others say 6-dim) sent the message of another size."""
+    """gloo's size abort, where the ranks started alike: the one rank whose last line of a kind every rank
+    printed, before the abort (or before its own error, for a rank whose output came late), says another
+    number than every other rank's (`rank 1 eval: 128 reals, 128 fakes, 10-dim features` where the others
+    say 6-dim) sent the message of another size."""
     first = root.finding
     if first is None or first.source >= len(scan.sources):
         return root
-    last: dict[int, str] = {}
-    for _, _, rank, piece in pieces_before(scan, keys, first.source, first.line):
-        if rank is not None and piece.strip():
-            last[rank] = piece.strip()
-    if set(last) != set(facts.known):
+    # each rank's last line of each shape (numbers masked), and where each shape was last said
+    by_shape: dict[str, dict[int, str]] = {}
+    said_at: dict[str, int] = {}
+    stopped: set[int] = set()
+    for number, _, rank, piece in pieces_before(scan, keys, first.source, first.line, LATE_LINES):
+        text = piece.strip()
+        if rank is None or rank in stopped or not text:
+            continue
+        if _NOT_PLAIN.search(text):
+            if number >= first.line:
+                stopped.add(rank)   # a rank's line printed after the abort counts until its own error begins
+            continue
+        shape = _NUMBER.sub("#", text)
+        by_shape.setdefault(shape, {})[rank] = text
+        said_at[shape] = number
+    # the latest line every rank said in which one rank's numbers alone differ (lines of per-rank values,
+    # a loss, differ on every rank and say nothing)
+    for shape in sorted(by_shape, key=said_at.__getitem__, reverse=True):
+        last = by_shape[shape]
+        rank = odd_line_out(last) if set(last) == set(facts.known) and "#" in shape else None
+        if rank is not None:
+            break
+    else:
         return root
-    rank = odd_line_out(last)
-    if rank is None or rank == root.rank:
+    if rank == root.rank:
         return root
     return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.35), reasons=root.reasons + (
         f"rank {rank}'s last line before the abort (`{last[rank][:100]}`) says another number than every other "

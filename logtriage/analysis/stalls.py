@@ -224,12 +224,12 @@ def _ranked_pieces(scan: ScanResult, keys: list[StreamKey], source: int, end: in
             yield rank, piece
 
 
-def pieces_before(scan: ScanResult, keys: list[StreamKey], source: int, end: int):
-    """(line, stream, rank, message) for each message in the WINDOW lines before line `end`: its rank is
-    the line's own stream's, or the one its text names (None for neither); two ranks' messages glued
-    on one line are two."""
+def pieces_before(scan: ScanResult, keys: list[StreamKey], source: int, end: int, after: int = 0):
+    """(line, stream, rank, message) for each message in the WINDOW lines before line `end` (and the
+    `after` lines from it on): its rank is the line's own stream's, or the one its text names (None
+    for neither); two ranks' messages glued on one line are two."""
     index = scan.indexes[source]
-    numbers = list(range(max(1, end - WINDOW), end))
+    numbers = list(range(max(1, end - WINDOW), end + after))
     texts = read_lines(scan.sources[source], index, numbers)
     for number in numbers:
         if number - 1 >= len(index.slots):

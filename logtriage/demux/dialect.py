@@ -13,7 +13,7 @@ from logtriage.demux.around_paste import environment_report_span
 from logtriage.demux.launcher import CFE_RANK
 from logtriage.demux.prefix_shapes import (
     BRACKET_LABEL, CLOCK_STAMP, COLLECTOR_STAMP, COUNTER_WORDS, EXCEPTHOOK, EXCEPTION_NAME, FENCE, GUTTER,
-    HOST, KUBECTL, MAX_INDENT, MPI, NOT_HOSTS, NOT_TAGS, PYTEST_E, PYTEST_EXCEPTION, QUOTE_MARKS, RICH_HEAD,
+    BRACKET_HOST, HOST, KUBECTL, MAX_INDENT, MPI, NOT_HOSTS, NOT_TAGS, PYTEST_E, PYTEST_EXCEPTION, QUOTE_MARKS, RICH_HEAD,
     SOURCE_FILE, SRUN, TEE, TEE_HOST, WRAPPER_TAG, labelled, is_quoted, unquote)
 from logtriage.demux.wrapped import wrap_width
 
@@ -34,6 +34,7 @@ class Dialect:
     indent: int = 0            # blanks in front of every line: a paste indented as a code block (or by tabs)
     gutter: bool = False       # every line starts with its line number (a log viewer's copy)
     bracket_label: str | None = None   # the word of a template's `[r1] ` label on many lines ("" for `[1] `)
+    bracket_hosts: bool = False        # hosts are labelled `[node1] ` (a bracketed word torch's `[rankN]: ` belies)
     # a node's local ranks (`--tee`'s `[default2]:`) that are not its global ranks, with no host label to
     # scope them: a later node's console (pasted after the first), or one node's alone
     local_scoped: bool = False
@@ -63,7 +64,7 @@ class Dialect:
         used = (("gutter", GUTTER, self.gutter), ("stamp", COLLECTOR_STAMP, self.stamped), ("stamp", CLOCK_STAMP, self.clock_stamped),
                 ("tag", WRAPPER_TAG, bool(self.wrapper_tag)), ("pod", KUBECTL, self.pods),
                 ("pytest", PYTEST_E, self.pytest), ("srun", SRUN, self.srun), ("mpi", MPI, True),
-                ("host", HOST, bool(self.hosts)))
+                ("host", BRACKET_HOST if self.bracket_hosts else HOST, bool(self.hosts)))
         return tuple((layer, pattern) for layer, pattern, on in used if on)
 
     @classmethod
@@ -105,13 +106,15 @@ class Dialect:
         # two report lines, or one that holds an exception (`E       RuntimeError: ...`)
         pytest = len(pytest_lines) >= 2 or any(PYTEST_EXCEPTION.match(line) for line in pytest_lines)
         srun_hits = sum(1 for line in lines if SRUN.match(line))
+        srun = srun_hits * 3 >= len(lines) and srun_hits >= 3
+        bracket_label, bracket_hosts = _bracket_label(lines, srun)
         hosts = Counter()
         for line in lines:
             rest = line
             m = SRUN.match(rest)
             if m and srun_hits * 3 >= len(lines):
                 rest = rest[m.end():]
-            m = HOST.match(rest)
+            m = (BRACKET_HOST if bracket_hosts else HOST).match(rest)
             if m:
                 hosts[m.group(1)] += 1
         floor = max(5, len(lines) // 20)
@@ -121,14 +124,12 @@ class Dialect:
             # a short paste where (nearly) every line carries a node name (`node01: `, `node-b: `):
             # too few lines for the floor, but the convention is plain
             chosen |= frozenset(named)
-        srun = srun_hits * 3 >= len(lines) and srun_hits >= 3
-        bracket_label = _bracket_label(lines, srun)
         srun_nodes = srun and _tasks_are_nodes(lines)
         return cls(srun=srun, stamped=stamped, clock_stamped=clock_stamped, pytest=pytest, quoted=quoted,
                    quote_mark=quote_mark,
                    wrapper_tag=wrapper_tag, pods=pods,
                    hosts=chosen, srun_nodes=srun_nodes, indent=indent, gutter=gutter,
-                   bracket_label=bracket_label,
+                   bracket_label=bracket_label, bracket_hosts=bracket_hosts and bool(chosen),
                    local_scoped=not chosen and not pods and not srun_nodes and _locals_not_global(lines),
                    agent_console=_a_console(lines), wrap_width=wrapped, rich_gutter=_rich_gutter(lines))
 
@@ -147,12 +148,14 @@ def _numbered(lines: list[str]) -> bool:
             and len(set(seen)) * 10 >= len(seen) * 9)
 
 
-def _bracket_label(lines: list[str], srun: bool) -> str | None:
+def _bracket_label(lines: list[str], srun: bool) -> tuple[str | None, bool]:
     """The word of the `[<word><n>] ` label a third of the lines start with (inside srun's or Open
-    MPI's own label), with at least two numbers: a line-prefix template's rank label; else None."""
+    MPI's own label), with at least two numbers: a line-prefix template's rank label; else None. And
+    whether the label is a node's instead: torch's own `[rankN]: ` after it mostly names another N."""
     numbers: dict[str, set[int]] = {}
     counts: Counter = Counter()
     confirmed: Counter = Counter()    # lines where torch's own `[rankN]: ` after the label names the same N
+    contradicted: Counter = Counter()  # ... names another N (`[node1] [rank3]: `: a host's label, not a rank's)
     for line in lines:
         m = (SRUN.match(line) if srun else None) or MPI.match(line)
         rest = line[m.end():] if m else line
@@ -163,13 +166,17 @@ def _bracket_label(lines: list[str], srun: bool) -> str | None:
             hook = EXCEPTHOOK.match(rest[label.end():])
             if hook and hook.group(1) == label.group(2):
                 confirmed[label.group(1)] += 1
+            elif hook:
+                contradicted[label.group(1)] += 1
     if not counts:
-        return None
+        return None, False
     word, count = counts.most_common(1)[0]
+    if contradicted[word] > max(1, confirmed[word]):
+        return None, count * 3 >= len(lines)
     if (count * 3 < len(lines) and confirmed[word] < 2) or len(numbers[word]) < 2 \
             or word.lower() in NOT_TAGS | COUNTER_WORDS:
-        return None
-    return word
+        return None, False
+    return word, False
 
 
 def _wrapper_tag(lines: list[str]) -> str:

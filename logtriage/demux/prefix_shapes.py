@@ -39,6 +39,9 @@ PYTEST_EXCEPTION = re.compile(r"^E {3}(?: {4})?(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?
 # mpirun names the rank and the host: `[1,mpirank:5,algo-2]<stderr>:` (aws/sagemaker-training-toolkit)
 MPI = re.compile(r"^\[(?:(\d{1,9}),)?(?:mpirank:)?(\d{1,12})(?:,[\w.-]{1,64})?\]<(?:stdout|stderr|stddiag)>: ?")
 HOST = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62}): ")
+# a node's label in brackets from a wrapper's `sed 's/^/[node1] /'` (told from a template's `[r1] ` rank
+# label by torch's own `[rankN]: ` after it naming other ranks)
+BRACKET_HOST = re.compile(r"^\[([A-Za-z][A-Za-z0-9_.-]{0,62})\] ")
 # a Ray worker `(RayTrainWorker pid=1234, ip=...)`, a vLLM worker `(VllmWorker rank=0 pid=10672)`, and
 # newer vLLM's `(VllmWorker TP1 pid=N)` and `(Worker_TP1 pid=N)` (its tensor-parallel rank: the rank
 # where tensor parallelism is the only one; `Worker_PP0_TP1` and `EngineCore_DP1` name no world
