@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from logtriage.analysis.early_stop import _STOPPED_EARLY
+from logtriage.analysis.early_stop import STOPPED_EARLY
 from logtriage.api import triage
 
 from sample_roots import SAMPLES
@@ -24,12 +24,12 @@ def test_a_rank_that_stopped_early_alone_left_its_one_peer_waiting():
 
 
 def test_only_a_stop_the_rank_took_itself_reads_as_stopping_early():
-    assert _STOPPED_EARLY.search("rank 1: EarlyStopping: val_loss 1.3669 did not improve by 0.5, stopping at epoch 1")
-    assert _STOPPED_EARLY.search("early stop triggered at step 40")
-    assert _STOPPED_EARLY.search("rank 3 stopped early: budget spent")
-    assert not _STOPPED_EARLY.search("rank 1 done")
-    assert not _STOPPED_EARLY.search("stopping workers")
-    assert not _STOPPED_EARLY.search("Stopping worker group")
+    assert STOPPED_EARLY.search("rank 1: EarlyStopping: val_loss 1.3669 did not improve by 0.5, stopping at epoch 1")
+    assert STOPPED_EARLY.search("early stop triggered at step 40")
+    assert STOPPED_EARLY.search("rank 3 stopped early: budget spent")
+    assert not STOPPED_EARLY.search("rank 1 done")
+    assert not STOPPED_EARLY.search("stopping workers")
+    assert not STOPPED_EARLY.search("Stopping worker group")
 
 
 def test_the_profilers_caught_bad_alloc_before_a_native_crash_is_host_memory():

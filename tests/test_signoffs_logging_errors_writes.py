@@ -107,3 +107,36 @@ def test_a_nodes_bracket_label_is_a_host_not_a_rank():
     # `[node1] [rank3]: ...`: torch's own rank label after `[node1] ` names other numbers; node 1's summary says
     # `rank : 3 (local_rank: 1)` `exitcode : -11`, so its agent's `local_rank: 1` is global rank 3
     assert root_facts("twon_segv_np4_r3_pdsh2")[:3] == ("signal.sigsegv", "crash_signal", 3)
+
+
+@pytest.mark.parametrize("slug, rank", [
+    # `rank 1: preemption notice received from the node, stopping inference at step 3`, then the rank's own
+    # SIGTERM (a -15 the agent never sent)
+    ("binf_preempt_np3_r1_plain", 1),
+    ("binf_preempt_np3_r2_restart", 2),
+])
+def test_a_ranks_own_preemption_notice_is_an_external_stop(slug, rank):
+    assert root_facts(slug) == ("signal.stop_notice", "external_stop", rank, 21, None)
+
+
+@pytest.mark.parametrize("slug, rank, line", [
+    # `PermissionError: [Errno 13] Permission denied: '/sys/fs/preds_rank3.jsonl'`: a path the program chose
+    ("binf_perm_np4_r3_plain", 3, 31),
+    # a logging FileHandler on an unwritable path (an earlier known miss)
+    ("log_handler_np4_r3_prefix", 3, 19),
+])
+def test_a_permission_error_outside_checkpoint_code_is_the_programs(slug, rank, line):
+    assert root_facts(slug) == ("python.exception", "python_exception", rank, line, "PermissionError")
+
+
+def test_a_permission_error_in_a_checkpoints_save_stays_a_failed_write():
+    assert root_facts("end_save_perm_np5_r0_tee")[:3] == ("ckpt.write_failed", "checkpoint", 0)
+
+
+def test_the_one_rank_that_last_said_it_stopped_early_is_where_a_stopped_job_hung():
+    # `rank 1 early stop after trial 1: loss 0.6601`, then silence until `timeout 60` stopped torchrun; ranks 0
+    # and 2 waited in trial 2's DDP constructor
+    report = sample_report("sweep_skip_np3_r1_tee_trainer")
+    rc = report["root_cause"]
+    assert (report["verdict"], rc["rule_id"], rc["category"], rc["rank"]) == (
+        "hung", "hang.stopped_while_waiting", "hang", 1)

@@ -18,7 +18,7 @@ from logtriage.scan_result import ScanResult
 
 # `EarlyStopping: ... stopping`, `early stop triggered`, `early-stopping at epoch 3`, `stopping early`,
 # `stopping training at epoch 2` (a stop the rank's own condition took, not a failure's teardown)
-_STOPPED_EARLY = re.compile(
+STOPPED_EARLY = re.compile(
     r"\bearly[ _-]?stop|\bstop(?:ped|ping)? early\b|\bstopping (?:training )?at (?:epoch|step|iter)", re.IGNORECASE)
 
 
@@ -31,7 +31,7 @@ def stopped_early_peer(scan: ScanResult, keys: list[StreamKey], root: RootCause,
     clean = facts.completed - {root.rank}
     said: dict[int, str] = {}
     for _, _, rank, piece in pieces_before(scan, keys, lost.source, lost.line):
-        if rank in clean and _STOPPED_EARLY.search(piece):
+        if rank in clean and STOPPED_EARLY.search(piece):
             said[rank] = piece.strip()
     if len(said) != 1:
         return root

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from logtriage.analysis.early_stop import STOPPED_EARLY
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.hangs import EXIT_STALLED
 from logtriage.analysis.odd_start import odd_line_out
@@ -188,13 +189,14 @@ def stopped_after_one_went_on(scan: ScanResult, keys: list[StreamKey], root: Roo
         "others waited for it, and the stop ended the wait",))
 
 
-def stopped_in_stride(scan: ScanResult, root: RootCause, findings: list[Finding], facts: RankFacts,
-                      catalog: Catalog) -> RootCause:
+def stopped_in_stride(scan: ScanResult, keys: list[StreamKey], root: RootCause, findings: list[Finding],
+                      facts: RankFacts, catalog: Catalog) -> RootCause:
     """A SIGTERM to the launcher (a `timeout`, a time limit) with nothing failed, STARTUP_SECONDS or more after
     the job's start, when every rank had printed progress and none printed any after the stop: a live job's
     workers answer the SIGTERM the agent passes on (a handler's words, the step they finish), stuck ones are
     silent. The ranks had stopped moving before the stop came, and the stop ended a hang; with every rank's last
-    line at one step, which rank stalled the log does not say."""
+    line at one step, which rank stalled the log does not say, unless one rank alone last said it stopped early
+    (`rank 1 early stop after trial 1`): it went its own way, and the others waited for it."""
     stop = root.finding
     if (not _signalled_stop_alone(root, findings) or stop.stamp is None or stop.source >= len(scan.sources)
             or len(facts.known) < 2 or not facts.known <= facts.last_step.keys()
@@ -206,11 +208,16 @@ def stopped_in_stride(scan: ScanResult, root: RootCause, findings: list[Finding]
     ran = _seconds_before_stop(scan, stop)
     if ran is None or ran < STARTUP_SECONDS:
         return root
-    return replace(root, rule=stopped_while_waiting_rule(catalog), rank=None, ranks=(), confidence=min(
-        root.confidence, 0.3), reasons=root.reasons + (
+    early = [(rank, text) for rank, (_, text) in _last_worker_lines(scan, keys, stop.source, stop.line)[1].items()
+             if STOPPED_EARLY.search(text)]
+    rank, said = early[0] if len(early) == 1 else (None, "")
+    return replace(root, rule=stopped_while_waiting_rule(catalog), rank=rank, ranks=(rank,) if rank is not None
+                   else (), confidence=min(root.confidence, 0.3), reasons=root.reasons + (
         f"a SIGTERM to the launcher {ran:.0f} s after the job's start, nothing failed, every rank had printed progress "
         "and no rank printed any after the stop (a live job's workers answer the SIGTERM passed on to them): the "
-        "ranks had stopped moving before the stop came, and the stop ended that hang",))
+        "ranks had stopped moving before the stop came, and the stop ended that hang",) + ((
+            f"rank {rank}'s last line says it stopped early (`{said[:120]}`): it left the others' path, and they "
+            "waited for it",) if rank is not None else ()))
 
 
 def _workers_stopped(findings: list[Finding], source: int) -> int:
