@@ -140,3 +140,17 @@ def test_the_one_rank_that_last_said_it_stopped_early_is_where_a_stopped_job_hun
     rc = report["root_cause"]
     assert (report["verdict"], rc["rule_id"], rc["category"], rc["rank"]) == (
         "hung", "hang.stopped_while_waiting", "hang", 1)
+
+
+def test_agents_waiting_in_their_own_rendezvous_keys_is_a_rendezvous_failure():
+    # node 0 trained alone to step 31; a second agent arrived, node 0 stopped its workers to re-form, and both
+    # agents' `next_rendezvous` timed out on `/torch.rendezvous.none.1/MASTER_ADDR`: progress printed before is
+    # the old group's, not a collective's wait
+    rc = sample_report("elas_late_np4_rnone_pdsh2")["root_cause"]
+    assert (rc["rule_id"], rc["category"]) == ("dist.store_wait_timeout", "rendezvous")
+
+
+def test_a_missing_token_cache_saved_with_torch_save_is_a_missing_file():
+    # `No such file or directory: '/tmp/job_work/once1_tokens.pt'`, read by torch.load before rank 0 built it
+    assert root_facts("elas_once_np4_r2_restart") == (
+        "python.file_not_found", "python_exception", 2, 24, "FileNotFoundError")

@@ -108,8 +108,8 @@ def _last_line_out(scan: ScanResult, keys: list[StreamKey], root: RootCause, fac
     if rank == root.rank:
         return root
     return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.35), reasons=root.reasons + (
-        f"rank {rank}'s last line before the abort (`{last[rank][:100]}`) says another number than every other "
-        "rank's same line: it sent the message of another size",))
+        f"rank {rank}'s last line of a kind every rank printed before the abort (`{last[rank][:100]}`) says another "
+        "number than every other rank's same line: it sent the message of another size",))
 
 
 def lone_warning(scan: ScanResult, keys: list[StreamKey], end: int) -> tuple[int, str] | None:

@@ -45,6 +45,11 @@ STORE_WAIT_IN_COLLECTIVE = "dist.store_wait_in_collective"
 _DEFAULT_GROUP_MESH = re.compile(r"^/default_pg/0//(?:cpu|cuda)//\d+/(\d+)$")   # (the peer whose address it is)
 
 
+# the elastic agents' own rendezvous keys (`/torch.rendezvous.none.1/MASTER_ADDR`): agents re-forming the job
+# (a node joining or leaving), whatever progress the workers had printed, not a worker's collective
+_AGENTS_RENDEZVOUS_KEY = re.compile(r"^/?torch\.rendezvous\.")
+
+
 # the c10d functions that wait in the store while a group forms (a wait in any other, a send or
 # a collective, comes after the group formed)
 _FORMING = frozenset({"init_process_group", "_new_process_group_helper", "new_group", "new_subgroups",
@@ -93,7 +98,9 @@ def store_wait_after_progress(root: RootCause, findings: list[Finding], facts: R
     the program's own store handshake (busy with rank-0-only work, gone, or never setting the key),
     a collective timeout whose culprit is the rank missing from the waits."""
     f = root.finding
-    if f is None or root.rule.id not in STORE_TIMEOUT_RULES:
+    if f is None or root.rule.id not in STORE_TIMEOUT_RULES or any(
+            _AGENTS_RENDEZVOUS_KEY.match(w.captures.get("keys", ""))
+            for w in findings if w.rule.id in STORE_TIMEOUT_RULES):
         return root
     formed = _group_formed_wait(findings)
     if not formed and (first_progress is None or first_progress > (f.source, f.line)):
