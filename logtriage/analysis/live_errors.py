@@ -68,7 +68,7 @@ def _final_attempt(live: list[Finding]) -> list[Finding]:
     restarted workers read the last attempt's addresses from the agent's store), failed of the
     earlier attempt's failure; so did one whose workers only timed out in DDP's constructor (the
     restarted group never met again: its first collective waited on a worker that did not come back)."""
-    own = [f for f in live if f.stream.kind is StreamKind.RANK and f.rule.id not in _RESTART_ECHOES
+    own = [f for f in live if f.stream.kind is StreamKind.RANK and f.rule.id not in RESTART_ECHOES
            and (f.role is not Role.CASCADE_CANDIDATE or f.category is Category.COLLECTIVE_TIMEOUT)]
     last = max((f.stream.attempt for f in own), default=0)
     if not last:
@@ -83,7 +83,7 @@ def _final_attempt(live: list[Finding]) -> list[Finding]:
                                 else f.seq >= begun or f.stream.kind is not StreamKind.LAUNCHER)]
 
 
-_RESTART_ECHOES = frozenset({"gloo.connect_full_mesh"})
+RESTART_ECHOES = frozenset({"gloo.connect_full_mesh"})
 # DDP's constructor's first collectives (its check of every rank's parameter shapes, the broadcast of rank 0's
 # weights): a timeout there means the ranks never all reached the model
 DDP_CONSTRUCTION_FRAMES = frozenset({"_verify_param_shape_across_processes", "_sync_module_states",
@@ -97,8 +97,8 @@ def _restart_echoes(live: list[Finding]) -> list[Finding]:
     `[rankN]:` prefix), so no attempt is known for them: the agent restarts only after it reported a
     failure, and a first start that cannot connect fails before any such report."""
     reported = _first_by_source(f for f in live if f.stream.kind is StreamKind.LAUNCHER and f.rank is not None
-                                and f.rule.id not in _RESTART_ECHOES)
-    echoes = [f for f in live if f.rule.id in _RESTART_ECHOES and f.stream.kind is not StreamKind.RANK
+                                and f.rule.id not in RESTART_ECHOES)
+    echoes = [f for f in live if f.rule.id in RESTART_ECHOES and f.stream.kind is not StreamKind.RANK
               and f.source in reported and f.seq > reported[f.source]]
     if not echoes:
         return live

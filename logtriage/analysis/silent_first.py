@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from logtriage.analysis.childfailed import is_own_failure
 from logtriage.analysis.findings import Finding
+from logtriage.analysis.live_errors import RESTART_ECHOES
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.catalog.rule import Role
 from logtriage.demux.streams import StreamKind
@@ -27,8 +28,9 @@ def silent_death_first(root: RootCause, findings: list[Finding], facts: RankFact
         return root
     exit_line = next((f for f in findings if f.rank == rank and f.attributed_by == "launcher" and f.is_error
                       and f.rule.role is not Role.CASCADE_CANDIDATE), None)
-    if exit_line is None:
-        return root
+    if exit_line is None or any(f.rule.id in RESTART_ECHOES and f.source == exit_line.source
+                                and root.finding.seq < f.seq < exit_line.seq for f in findings):
+        return root     # (an exit of the attempt restarted after the root, which could not form the group again)
     return RootCause(exit_line.rule, exit_line, rank, (rank,), min(root.confidence, 0.45), (
         f"rank {rank} exited of its own accord (exit code {facts.exit_codes[rank]}) without a line of its own, "
         f"and its progress stopped at step {steps[rank]}, before every other rank's; rank {root.rank}'s "
