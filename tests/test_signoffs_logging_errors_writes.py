@@ -174,3 +174,8 @@ def test_a_validation_that_got_a_non_finite_value_is_numerical(slug, rank, line)
 def test_a_missing_data_case_saved_with_torch_save_is_a_missing_file():
     # `No such file or directory: '/tmp/job_work/miss1_case_3_3.pt'`: a volume of the dataset, not a checkpoint
     assert root_facts("vol3d_missing_np4_r3_filter")[:3] == ("python.file_not_found", "python_exception", 3)
+
+
+def test_a_missing_replay_buffer_saved_with_torch_save_is_a_missing_file():
+    # `No such file or directory: '/tmp/job_work/prev_run/replay_rank3_task0.pt'`: a replay buffer, data
+    assert root_facts("cont_replaymiss_np4_r3_filter")[:3] == ("python.file_not_found", "python_exception", 3)

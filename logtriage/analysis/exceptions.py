@@ -38,11 +38,12 @@ _COPY_COMMAND = re.compile(r"Command '\[?'?(?:\S*/)?(?:tar|cp|rsync|mv|zip|gzip|
                            r"s5cmd)\b")
 # a missing file that is data by its name: under a data folder, a model's outputs or features cached
 # for another pass, a partition of a graph or a dataset (`data/shard_00003.pt`, `data_node0/shard_002.pt`,
-# `teacher_logits.pt`, `once1_tokens.pt`, `part_3.pt`, `miss1_case_3_3.pt`, `shards/train_00004.pt`); never one
-# named for checkpoints (_CHECKPOINT_NAMED)
+# `teacher_logits.pt`, `once1_tokens.pt`, `part_3.pt`, `miss1_case_3_3.pt`, `replay_rank3_task0.pt`,
+# `shards/train_00004.pt`); never one named for checkpoints (_CHECKPOINT_NAMED)
 _DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:/data[\w.-]*/|/shards?/|logits|features|embeddings|"
                         r"tokeni[sz]ed|tokens[/_.]|partitions?[/_.]|/part_\d+\.|"
-                        r"(?:case|sample|volume|image|record)s?_\d+[_.]|/(?:train|val|valid|test|eval)[_.-]\d+\.)[^']*'",
+                        r"(?:case|sample|volume|image|record)s?_\d+[_.]|replay[_.-]|"
+                        r"/(?:train|val|valid|test|eval)[_.-]\d+\.)[^']*'",
                         re.IGNORECASE)
 _CHECKPOINT_NAMED = re.compile(r"No such file or directory: '[^']*(?:checkpoint|ckpt)[^']*'", re.IGNORECASE)
 FILE_NOT_FOUND_RULE = "python.file_not_found"
