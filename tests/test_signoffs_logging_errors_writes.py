@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from sample_roots import edited_report, root_facts, sample_report
+from logtriage.api import triage
+from sample_roots import SAMPLES, edited_report, root_facts, sample_report
 
 
 @pytest.mark.parametrize("slug", [
@@ -50,8 +51,6 @@ def test_a_finite_check_of_an_expression_is_numerical():
 
 def test_fairseqs_inconsistent_gradients_stay_a_nan_grad_norm():
     # `FloatingPointError: Fatal error: gradients are inconsistent between workers`, every worker's grad norm nan
-    from logtriage.api import triage
-    from sample_roots import SAMPLES
     log = SAMPLES.parent / "public26" / "fairseq1372_mpspawn_process3_grad_norm_nan_on_all_eight_ranks_inconsistent_workers.log"
     assert triage([str(log)]).to_dict()["root_cause"]["rule_id"] == "numerical.grad_norm_nan"
 

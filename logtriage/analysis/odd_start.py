@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from logtriage.analysis.findings import mask_numbers
 from logtriage.analysis.odd_dtype import SIZE_RULE
 from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.roots import RankFacts, RootCause
@@ -70,7 +71,8 @@ def odd_start_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause, fac
 
 # lines after gloo's abort in which another rank's last plain line may still come (its output was buffered)
 LATE_LINES = 40
-_NOT_PLAIN = re.compile(r"Traceback|Error|error|terminate called|what\(\)|^\s|File \"|Signal|signal")
+# (what is no start-up line is no plain line either; nor an error's own words, a native abort, a frame)
+_NOT_PLAIN = re.compile(_NOT_START.pattern + r"|error|terminate called|what\(\)|^\s|File \"|[Ss]ignal")
 
 
 def _last_line_out(scan: ScanResult, keys: list[StreamKey], root: RootCause, facts: RankFacts) -> RootCause:
@@ -93,7 +95,7 @@ def _last_line_out(scan: ScanResult, keys: list[StreamKey], root: RootCause, fac
             if number >= first.line:
                 stopped.add(rank)   # a rank's line printed after the abort counts until its own error begins
             continue
-        shape = _NUMBER.sub("#", text)
+        shape = mask_numbers(text)
         by_shape.setdefault(shape, {})[rank] = text
         said_at[shape] = number
     # the latest line every rank said in which one rank's numbers alone differ (lines of per-rank values,

@@ -77,8 +77,7 @@ def output_stopped(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]
 _COUNT = r"(?:[a-z_]+\s*[=:]?\s*\d[\d.,]*|\d[\d.,]*\s+[a-z_]+)"
 _SIGNED_OFF = re.compile(r"\b(?:done|finished|completed?|exiting)[.!]?\s*$|\b(?:done|finished|completed?)[:,]\s+"
                          r"(?:\d+\s+(?:steps?|epochs?|iterations?|iters?|batches)\b|(?:final|mean|avg|average|last|best)"
-                         r"\s+(?:loss|acc(?:uracy)?|metric)\b"
-                         r"|(?:final|mean|avg|average|last|best)\s+[a-z][\w@-]*\s*[=:]?\s*[-+]?\d[\d.]*\s*$)"
+                         r"\s+(?:(?:loss|acc(?:uracy)?|metric)\b|[a-z][\w@-]*\s*[=:]?\s*[-+]?\d[\d.]*\s*$))"
                          rf"|\b(?:done|finished|completed?)[:,]?\s+{_COUNT}(?:[,;]?\s+{_COUNT})*[.]?\s*$", re.IGNORECASE)
 # a line that sums a finished run up (`final val_loss 0.2204`, `best acc 0.91`), and says nothing of errors
 _SUMMED_UP = re.compile(r"^(?!.*\b(?:error|fail\w*|warn\w*|wait\w*|timed? ?out)\b).*\b(?:final|total|best|summary)\b",
