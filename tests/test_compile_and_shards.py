@@ -32,5 +32,6 @@ def test_a_short_template_label_before_torchs_own_rank_prefix_is_learned_from_a_
 
 
 def test_an_evaluation_scripts_non_finite_check_is_numerical():
-    # eval_nan_np4_r2_prefix: `FloatingPointError: non-finite logits in batch 1 on rank 2`
-    assert _root("eval_nan_np4_r2_prefix") == ("numerical.nonfinite_value", "numerical", 2, 12, "FloatingPointError")
+    # eval_nan_np4_r2_prefix: `FloatingPointError: non-finite logits in batch 1 on rank 2`, the script's own
+    # check raised as FloatingPointError whatever the quantity
+    assert _root("eval_nan_np4_r2_prefix") == ("numerical.checked_nonfinite", "numerical", 2, 12, "FloatingPointError")

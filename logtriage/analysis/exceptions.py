@@ -45,8 +45,17 @@ _DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:/data[\w.-]*/|/sha
                         r"(?:case|sample|volume|image|record)s?_\d+[_.]|replay[_.-]|"
                         r"/(?:train|val|valid|test|eval)[_.-]\d+\.)[^']*'",
                         re.IGNORECASE)
+# a save of the program's outputs (decoded samples, predictions, embeddings, plots) into a folder or file
+# that is not there: torch.save's failure, but nothing of a checkpoint (`Parent directory
+# /tmp/job_work/samples_rank2 does not exist.`)
+_OUTPUT_WRITTEN = re.compile(r"(?:Parent directory |No such file or directory: ')(?![^']*(?:checkpoint|ckpt))[^']*?/"
+                             r"(?:samples?|images?|predictions?|preds|embeddings?|logits|features|generations?|"
+                             r"generated|visuali[sz]ations?|plots?|figures?)(?:[_.-]\w*)?(?:/|'| does not exist)",
+                             re.IGNORECASE)
 _CHECKPOINT_NAMED = re.compile(r"No such file or directory: '[^']*(?:checkpoint|ckpt)[^']*'", re.IGNORECASE)
 FILE_NOT_FOUND_RULE = "python.file_not_found"
+_EXCEPTION_RULE = "python.exception"
+WRITE_FAILED_RULE = "ckpt.write_failed"
 _MISSING_PATH = re.compile(r"is not a valid (?:directory|file|path)|does not exist|(?:not found|No such file)\b")
 # an object store answering that the key is not there (botocore's ClientError)
 _MISSING_OBJECT = re.compile(r"\((?:404|NoSuchKey)\) when calling the \w+ operation")
@@ -69,6 +78,9 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
                                                                  "A file does not exist")
         return replace(root, rule=rule, reasons=root.reasons + (
             "the missing file is data by its name (saved with torch.save, read with torch.load), not a checkpoint",))
+    if f is not None and root.rule.id == WRITE_FAILED_RULE and _OUTPUT_WRITTEN.search(f.text):
+        return read_as(root, catalog, _EXCEPTION_RULE, "the file torch.save could not write is the program's output "
+                       "by its name (samples, predictions, embeddings, plots), not a checkpoint")
     if f is None or root.rule.id not in GENERIC_RULES or data_file:
         return root
     kind = short_type(f.exception_type)
@@ -91,7 +103,7 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
         if kind == "FileNotFoundError" and loading:
             rule_id = "ckpt.not_found"
         elif not loading and (kind == "PermissionError" or _UNWRITABLE.search(f.text) or _DISK_FULL.search(f.text)):
-            rule_id = "ckpt.write_failed"   # a save refused by the target: no permission, read-only, full
+            rule_id = WRITE_FAILED_RULE   # a save refused by the target: no permission, read-only, full
         else:
             rule_id = "ckpt.io_error"
     elif loading and _MISSING_OBJECT.search(f.text):
@@ -199,7 +211,7 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
         rule_id, why = "host.thread_limit", (
             f"the BlockingIOError (EAGAIN) is raised in `{f.last_frame}`, where the process forks a child: the "
             "host's or container's limit on processes/threads was reached (a DataLoader worker, a subprocess)")
-    elif root.rule.id == "ckpt.write_failed" and f.last_frame and not f.checkpoint_frame and _DISK_FULL.search(f.text):
+    elif root.rule.id == WRITE_FAILED_RULE and f.last_frame and not f.checkpoint_frame and _DISK_FULL.search(f.text):
         rule_id, why = "host.filesystem_error", (
             f"the disk filled up in `{f.last_frame}`, outside any checkpoint code (no save frame): another "
             "writer, /tmp or /dev/shm, ran out of space")
