@@ -1,6 +1,8 @@
-"""A program's outputs saved with torch.save into a folder that is not there, and a script's own finite check
-raised as FloatingPointError whatever it names: real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the
-150th-154th batches and earlier ones, each labelled before triage ran; the test names the run)."""
+"""A program's outputs saved with torch.save into a folder that is not there, a script's own finite check
+raised as FloatingPointError whatever it names, a restart that never met again before any progress, a rank's
+own lower-case error line, gloo's check of an all_gather's buffers, an optimizer state saved for other
+parameter groups, a config's bound read as a report field: real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the
+150th-159th batches and earlier ones, each labelled before triage ran; the test names the run)."""
 
 from __future__ import annotations
 
@@ -34,3 +36,41 @@ def test_a_checkpoint_saved_into_a_missing_folder_is_still_a_failed_checkpoint_w
 ])
 def test_a_scripts_floating_point_error_is_its_own_finite_check_whatever_it_names(slug, rank, line):
     assert root_facts(slug) == ("numerical.checked_nonfinite", "numerical", rank, line, "FloatingPointError")
+
+
+def test_a_restart_whose_group_timed_out_before_any_progress_failed_of_the_first_attempts_error():
+    # attempt 0: rank 1 `FileNotFoundError: ... part-00001-of-00003.tsv`; the restarted attempt's rank 2 times out in
+    # the start-up barrier (gloo recv 12000ms) before any rank prints a step, and no restart line is printed
+    assert root_facts("kge_tripfile_np3_r1_restart") == ("python.file_not_found", "python_exception", 1, 9,
+                                                         "FileNotFoundError")
+
+
+def test_a_restart_that_made_progress_fails_of_its_own_timeout():
+    # attempt 0: rank 0's ValueError; attempt 1 trains (`attempt 1 rank 0 step 1 ...`, lines no rank prefix
+    # claims) until rank 3 sleeps and the others time out: the run ended on that stall
+    assert root_facts("hang_after_exc_np4_r3_plain")[:3] == ("gloo.timeout", "collective_timeout", 3)
+
+
+def test_a_ranks_own_lower_case_error_line_before_its_exit_is_a_logged_error():
+    # `worker-0: [rank 1] error: lr schedule invalid: ...`, then `failed (exitcode: 2) local_rank: 1`
+    assert root_facts("lamb_lrexit_np4_r1_pdsh2") == ("python.logged_error", "python_exception", 1, 10, None)
+
+
+@pytest.mark.parametrize(("slug", "rank", "line"), [
+    # `RuntimeError: ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected (33), got (32))`
+    ("kge_evalgather_np4_r1_plain", 1, 42),
+    ("kge_evalgather_np3_r2_prefix", 2, 32),
+])
+def test_gloos_check_of_an_all_gathers_buffers_is_a_collective_mismatch_on_the_odd_rank(slug, rank, line):
+    assert root_facts(slug) == ("gloo.invalid_tensor_size", "collective_mismatch", rank, line, "RuntimeError")
+
+
+def test_an_optimizer_state_saved_for_other_parameter_groups_is_an_optimizer_state_mismatch():
+    # `ValueError: loaded state dict contains a parameter group that doesn't match the size of optimizer's group`
+    assert root_facts("lamb_resume_np3_r1_wrapper") == ("ckpt.optimizer_state_mismatch", "checkpoint", 1, 19,
+                                                        "ValueError")
+
+
+def test_a_configs_short_bound_is_no_report_field():
+    # `KeyError: 't_max'` from `cfg["t_max"]` on every rank: the program's exception, not error manual E004
+    assert root_facts("pinn_key_np3_rall_prefix")[:2] == ("python.exception", "python_exception")

@@ -33,7 +33,7 @@ def live_errors(findings: list[Finding], facts: RankFacts) -> list[Finding]:
     the last attempt's."""
     live = _after_store_lost(_without_reraise_wrappers(_not_recovered(
         [f for f in findings if f.is_error and not f.is_teardown], findings)))
-    return _final_attempt(_restart_echoes(lived_through(_thread_work_finished(live, findings, facts), facts)))
+    return _final_attempt(_restart_echoes(lived_through(_thread_work_finished(live, findings, facts), facts)), facts)
 
 
 def _without_reraise_wrappers(live: list[Finding]) -> list[Finding]:
@@ -60,14 +60,15 @@ KEEPALIVE_RULE = "dist.rendezvous_keepalive_lost"
 RENDEZVOUS_RULE = "dist.rendezvous_connection"
 
 
-def _final_attempt(live: list[Finding]) -> list[Finding]:
+def _final_attempt(live: list[Finding], facts: RankFacts) -> list[Finding]:
     """After `--max-restarts`, the errors of the last attempt that failed of its own accord: the
     failure the run ended on (an earlier attempt's, which torchrun restarted the workers from, is
     in the chain), without the launcher's reports from before it; a stall (its timeouts) counts.
     An attempt whose workers only lost their peers, or could not form the group again (gloo's connectFullMesh refused: the
     restarted workers read the last attempt's addresses from the agent's store), failed of the
-    earlier attempt's failure; so did one whose workers only timed out in DDP's constructor (the
-    restarted group never met again: its first collective waited on a worker that did not come back)."""
+    earlier attempt's failure; so did one whose workers only timed out in DDP's constructor, or only
+    timed out before any of them printed progress (the restarted group never met again: its first
+    collective waited on a worker that did not come back)."""
     own = [f for f in live if f.stream.kind is StreamKind.RANK and f.rule.id not in RESTART_ECHOES
            and (f.role is not Role.CASCADE_CANDIDATE or f.category is Category.COLLECTIVE_TIMEOUT)]
     last = max((f.stream.attempt for f in own), default=0)
@@ -75,12 +76,23 @@ def _final_attempt(live: list[Finding]) -> list[Finding]:
         return live
     mine = [f for f in own if f.stream.attempt == last]
     begun = min(f.seq for f in mine)
-    if all(f.category is Category.COLLECTIVE_TIMEOUT and f.last_frame in DDP_CONSTRUCTION_FRAMES for f in mine):
+    progressed = _progressed_since(facts, [f for f in own if f.stream.attempt < last])
+    if all(f.category is Category.COLLECTIVE_TIMEOUT and (f.last_frame in DDP_CONSTRUCTION_FRAMES or not progressed)
+           for f in mine):
         dropped = {id(f) for f in mine}
         return [f for f in live if id(f) not in dropped
                 and not (f.stream.kind is StreamKind.LAUNCHER and f.seq >= begun)]
     return [f for f in live if (f.stream.attempt == last if f.stream.kind is StreamKind.RANK
                                 else f.seq >= begun or f.stream.kind is not StreamKind.LAUNCHER)]
+
+
+def _progressed_since(facts: RankFacts, earlier: list[Finding]) -> bool:
+    """Whether a progress line came after the earlier attempts' last error in its input (the restarted
+    workers' steps, where their lines carry no attempt of their own)."""
+    ends: dict[int, int] = {}
+    for f in earlier:
+        ends[f.source] = max(ends.get(f.source, 0), f.line)
+    return not ends or any(facts.progress_end.get(source, 0) > end for source, end in ends.items())
 
 
 RESTART_ECHOES = frozenset({"gloo.connect_full_mesh"})

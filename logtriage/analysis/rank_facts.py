@@ -60,8 +60,13 @@ def rank_facts(stats: dict[StreamKey, SlotStats], failures: list[ChildFailure], 
     progress = {key: (s.last_step_line[0], (s.first_step_line or s.last_step_line)[1], s.last_step_line[1],
                       s.last_step_text)
                 for key, s in stats.items() if key.kind is StreamKind.RANK and s.last_step_line is not None}
+    progress_end: dict[int, int] = {}
+    for s in stats.values():
+        if s.last_step_line is not None:
+            source, line = s.last_step_line
+            progress_end[source] = max(progress_end.get(source, 0), line)
     return RankFacts(frozenset(known), exit_codes, frozenset(completed), last_step, summary_root, frozenset(speaking),
-                     shapes, progress)
+                     shapes, progress, progress_end)
 
 
 def first_progress(stats: dict[StreamKey, SlotStats]) -> tuple[int, int] | None:

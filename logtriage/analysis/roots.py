@@ -57,6 +57,8 @@ class RankFacts:
     reported_shapes: dict[int, str] = field(default_factory=dict)
     # a rank stream -> (source, first line, last line, last text) of its progress lines (`step 5 loss ...`)
     last_progress: dict = field(default_factory=dict)
+    # input source -> the line of its last progress line in any stream (a rank's, or one no rank claims)
+    progress_end: dict[int, int] = field(default_factory=dict)
 
 
 def read_as(root: RootCause, catalog, rule_id: str, reason: str) -> RootCause:
