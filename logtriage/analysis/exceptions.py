@@ -16,6 +16,7 @@ from logtriage.analysis.exception_names import shadowing_file, short_type
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.hangs import fallback_rule
 from logtriage.analysis.roots import RootCause, read_as
+from logtriage.analysis.rule_readings import WRITE_FAILED_RULE
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
 
@@ -55,7 +56,6 @@ _OUTPUT_WRITTEN = re.compile(r"(?:Parent directory |No such file or directory: '
 _CHECKPOINT_NAMED = re.compile(r"No such file or directory: '[^']*(?:checkpoint|ckpt)[^']*'", re.IGNORECASE)
 FILE_NOT_FOUND_RULE = "python.file_not_found"
 _EXCEPTION_RULE = "python.exception"
-WRITE_FAILED_RULE = "ckpt.write_failed"
 _MISSING_PATH = re.compile(r"is not a valid (?:directory|file|path)|does not exist|(?:not found|No such file)\b")
 # an object store answering that the key is not there (botocore's ClientError)
 _MISSING_OBJECT = re.compile(r"\((?:404|NoSuchKey)\) when calling the \w+ operation")
@@ -169,7 +169,7 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
             f"the ValueError is raised in torchrun's `{f.last_frame}`, which parses its own options: a launcher "
             "option has a bad value (often a script argument that landed in its place)")
     elif kind == "EOFError" and root.rule.id == "ckpt.corrupt_archive" and f.last_frame == SPAWN_CHILD_FRAME:
-        rule_id, why = "python.exception", (
+        rule_id, why = _EXCEPTION_RULE, (
             "the EOFError is raised in multiprocessing's spawn `_main`, where a child unpickles what its parent "
             "sent: the parent failed to pickle the process's arguments (a lambda, a local class, an open file)")
     elif (root.rule.id in ("cuda.driver_unusable", "cuda.error") and "initialization error" in f.text
@@ -221,7 +221,7 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
             f"`{shadow}` is a file of the job's own where the standard library's module of that name should be: "
             "it hides that module from every import of it, torch's own included")
     elif kind == "EOFError" and root.rule.id == "ckpt.corrupt_archive" and f.last_frame and not f.checkpoint_frame:
-        rule_id, why = "python.exception", (
+        rule_id, why = _EXCEPTION_RULE, (
             f"the EOFError is raised in `{f.last_frame}`, and no frame of its traceback saves or loads a checkpoint "
             "(torch.load, a checkpoint function): an empty pickle of the program's own (a cache, a data file)")
     else:
@@ -250,7 +250,7 @@ def probe_json_without_banner(root: RootCause, has_banner: bool, catalog: Catalo
     f = root.finding
     if root.rule.id != PROBE_JSON_RULE or has_banner or f is None or "JSONDecodeError" not in f.text:
         return root
-    rule = catalog.get("python.exception")
+    rule = catalog.get(_EXCEPTION_RULE)
     return root if rule is None else replace(root, rule=rule, confidence=min(root.confidence, 0.6), reasons=(
         *root.reasons, "no container banner in this log: the text that failed to parse as JSON is the "
         "program's own input (a data or config file), not an environment probe's output"))
