@@ -1,14 +1,15 @@
 """A program's outputs saved with torch.save into a folder that is not there, a script's own finite check
 raised as FloatingPointError whatever it names, a restart that never met again before any progress, a rank's
 own lower-case error line, gloo's check of an all_gather's buffers, an optimizer state saved for other
-parameter groups, a config's bound read as a report field: real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the
-150th-159th batches and earlier ones, each labelled before triage ran; the test names the run)."""
+parameter groups, a config's bound read as a report field, data shards named by split or number, and the rank whose
+last line names the next step in words no other rank printed: real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the
+150th-164th batches and earlier ones, each labelled before triage ran; the test names the run)."""
 
 from __future__ import annotations
 
 import pytest
 
-from sample_roots import edited_report, root_facts
+from sample_roots import edited_report, root_facts, sample_report
 
 
 @pytest.mark.parametrize(("slug", "rank", "line"), [
@@ -74,3 +75,28 @@ def test_an_optimizer_state_saved_for_other_parameter_groups_is_an_optimizer_sta
 def test_a_configs_short_bound_is_no_report_field():
     # `KeyError: 't_max'` from `cfg["t_max"]` on every rank: the program's exception, not error manual E004
     assert root_facts("pinn_key_np3_rall_prefix")[:2] == ("python.exception", "python_exception")
+
+
+@pytest.mark.parametrize(("slug", "rank", "line"), [
+    # torch.load of `/tmp/job_work/feats_v2/train-00002-of-00003.pt`: a split's shard of features
+    ("ctc_featfile_np3_r2_tee_trainer", 2, 25),
+    # torch.load of `/tmp/job_work/scans_v2/shard_003.pt`: a numbered data shard
+    ("pcd_cloudfile_np4_r3_filter", 3, 18),
+])
+def test_a_missing_data_shard_loaded_with_torch_load_is_a_missing_file_not_a_checkpoint(slug, rank, line):
+    assert root_facts(slug) == ("python.file_not_found", "python_exception", rank, line, "FileNotFoundError")
+
+
+def test_the_rank_whose_last_line_names_the_next_step_in_its_own_words_is_the_one_the_others_waited_for():
+    # every rank's last line is `rank N step 2 loss ... psnr ...` but rank 2's `rank 2 writing validation images for
+    # step 3`; `timeout` then stops torchrun
+    report = sample_report("sr_valwait_np4_r2_tee")
+    rc = report["root_cause"]
+    assert (report["verdict"], rc["rule_id"], rc["rank"]) == ("hung", "hang.stopped_while_waiting", 2)
+
+
+def test_a_progress_line_every_rank_prints_is_still_progress():
+    # `rank N step 5 grad-norm 2.777` on every rank (another shape than `step N loss ... lr ...`); ranks 0 and 1 went
+    # on to `eval: 32 images`, rank 2 did not
+    report = sample_report("vit_evalstall_np3_r2_tee")
+    assert (report["verdict"], report["root_cause"]["rank"]) == ("hung", 2)

@@ -40,11 +40,12 @@ _COPY_COMMAND = re.compile(r"Command '\[?'?(?:\S*/)?(?:tar|cp|rsync|mv|zip|gzip|
 # a missing file that is data by its name: under a data folder, a model's outputs or features cached
 # for another pass, a partition of a graph or a dataset (`data/shard_00003.pt`, `data_node0/shard_002.pt`,
 # `teacher_logits.pt`, `once1_tokens.pt`, `part_3.pt`, `miss1_case_3_3.pt`, `replay_rank3_task0.pt`,
-# `shards/train_00004.pt`); never one named for checkpoints (_CHECKPOINT_NAMED)
+# `shards/train_00004.pt`, `feats_v2/train-00002-of-00003.pt`, `scans_v2/shard_003.pt`); never one named for
+# checkpoints (_CHECKPOINT_NAMED)
 _DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:/data[\w.-]*/|/shards?/|logits|features|embeddings|"
-                        r"tokeni[sz]ed|tokens[/_.]|partitions?[/_.]|/part_\d+\.|"
+                        r"tokeni[sz]ed|tokens[/_.]|partitions?[/_.]|/part_\d+\.|/shard[_-]\d+\.|"
                         r"(?:case|sample|volume|image|record)s?_\d+[_.]|replay[_.-]|"
-                        r"/(?:train|val|valid|test|eval)[_.-]\d+\.)[^']*'",
+                        r"/(?:train|val|valid|test|eval)[_.-]\d+(?:-of-\d+)?\.)[^']*'",
                         re.IGNORECASE)
 # a save of the program's outputs (decoded samples, predictions, embeddings, plots) into a folder or file
 # that is not there: torch.save's failure, but nothing of a checkpoint (`Parent directory

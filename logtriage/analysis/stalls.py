@@ -82,13 +82,26 @@ def time_limit_ended_hang(scan: ScanResult, keys: list[StreamKey], root: RootCau
 def _last_lines(scan: ScanResult, keys: list[StreamKey], source: int, end: int
                 ) -> tuple[dict[int, tuple[int | None, str]], dict[int, int]]:
     """Each rank's last line before `end` (its step, None for a line that is not progress, and the line with
-    its numbers masked), and the step of each rank's last progress line."""
+    its numbers masked), and the step of each rank's last progress line. A line of a rank other than 0 that
+    names a step in a shape no other rank printed, after progress lines of another shape, is what it went on to
+    do, not progress (`rank 2 writing validation images for step 3` after `rank 2 step 2 loss 0.50`); rank 0's
+    lines of its own are the summaries a program logs on rank 0 only."""
+    pieces = [(rank, piece) for rank, piece in _ranked_pieces(scan, keys, source, end) if piece.strip()]
+    printed_by: dict[str, set[int]] = {}
+    for rank, piece in pieces:
+        if step_number(piece) is not None:
+            printed_by.setdefault(mask_numbers(piece).strip(), set()).add(rank)
     last: dict[int, tuple[int | None, str]] = {}
     steps: dict[int, int] = {}
-    for rank, piece in _ranked_pieces(scan, keys, source, end):
-        if not piece.strip():
-            continue
+    shapes: dict[int, set[str]] = {}
+    for rank, piece in pieces:
         step = step_number(piece)
+        if step is not None:
+            shape = mask_numbers(piece).strip()
+            seen = shapes.setdefault(rank, set())
+            if rank != 0 and seen and shape not in seen and printed_by[shape] == {rank}:
+                step = None
+            seen.add(shape)
         last[rank] = (step, piece)
         if step is not None:
             steps[rank] = step
