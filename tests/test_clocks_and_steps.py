@@ -19,6 +19,9 @@ from sample_roots import root_cause as _root
     ("11:18:28.879 rank3: step 1", 3),
     ("2026-12-03 11:19:07 running r1 INFO", None),    # a word between the time and `r1`
     ("1796297283.230 r0 started", None),               # `rN` only before a level word
+    # a script's own `ERROR rank N: ` before a count per rank in its message (cpu_adhoc 165th batch)
+    ("ERROR rank 2: too few identities per rank: 1 < P=4 (ids.txt has 48 identities for world size 3)", 2),
+    ("too few identities per rank: 1", None),
 ])
 def test_a_rank_field_right_after_the_lines_time(text, rank):
     assert find_rank_marker(text) == rank

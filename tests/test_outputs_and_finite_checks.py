@@ -1,9 +1,10 @@
 """A program's outputs saved with torch.save into a folder that is not there, a script's own finite check
 raised as FloatingPointError whatever it names, a restart that never met again before any progress, a rank's
 own lower-case error line, gloo's check of an all_gather's buffers, an optimizer state saved for other
-parameter groups, a config's bound read as a report field, data shards named by split or number, and the rank whose
-last line names the next step in words no other rank printed: real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the
-150th-164th batches and earlier ones, each labelled before triage ran; the test names the run)."""
+parameter groups, a config's bound read as a report field, data shards named by split or number, the rank a
+line's own label names before a count per rank, and the rank whose last line names the next step in words no
+other rank printed: real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the 150th-169th batches and earlier
+ones, each labelled before triage ran; the test names the run)."""
 
 from __future__ import annotations
 
@@ -100,3 +101,8 @@ def test_a_progress_line_every_rank_prints_is_still_progress():
     # on to `eval: 32 images`, rank 2 did not
     report = sample_report("vit_evalstall_np3_r2_tee")
     assert (report["verdict"], report["root_cause"]["rank"]) == ("hung", 2)
+
+
+def test_a_count_per_rank_in_a_ranks_own_error_line_does_not_name_another_rank():
+    # `ERROR rank 2: too few identities per rank: 1 < P=4 ...`, then `failed (exitcode: 2) local_rank: 2`
+    assert root_facts("trip_fewids_np3_r2_loglevel") == ("python.logged_error", "python_exception", 2, 44, None)

@@ -26,7 +26,8 @@ OWN_RANK = re.compile(r"\[?\b(?:rank|RANK|Rank)[ =:_]*(\d{1,6})\b")
 # ASCII classes (`\b`, `\s`) as the fast-scan kernel reads bytes: `rank:0é` names rank 0 in both
 _RANK_MARKERS = (
     re.compile(r"\[\s*(?:global[_ ])?rank\s*[:=#]?\s*(\d{1,9})\s*(?:/\s*\d+\s*)?\]", re.IGNORECASE | re.ASCII),
-    re.compile(r"(?:^|[\s,(|])(?:global_)?rank\s*[=:]\s*(\d{1,9})\b", re.IGNORECASE | re.ASCII),
+    # (not a count per rank: `too few identities per rank: 1 < P=4`)
+    re.compile(r"(?:^|(?<!\bper)[\s,(|])(?:global_)?rank\s*[=:]\s*(\d{1,9})\b", re.IGNORECASE | re.ASCII),
     # and a script's own progress print or record that starts with its rank (`rank 3 step 12 loss 0.41`,
     # `rank 1 training finished`, `rank 1 WARNING uploader failed`, `rank 1/4: reading config`, `rank 2 trial 1
     # lr 0.1 step 1`, `rank 3 stage 1 sent`, `rank 0 config {...}`, `rank 2 resuming from ...`)

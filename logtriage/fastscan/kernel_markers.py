@@ -217,6 +217,8 @@ def _assignment_marker_at(buf, c, p, head_end):
         b = buf[q - 1]
         if not (b == 32 or b == 44 or b == 40 or b == 124):
             return -1
+        if _per_before(buf, c, q - 1):
+            return -1   # a count per rank (`identities per rank: 1`), not a marker
     k = skip_spaces(buf, p + 4, head_end)
     if k >= head_end or not (buf[k] == 61 or buf[k] == 58):
         return -1
@@ -226,6 +228,14 @@ def _assignment_marker_at(buf, c, p, head_end):
     if k < head_end and _is_word(buf[k]):
         return -1
     return value
+
+
+@njit(cache=True, nogil=True)
+def _per_before(buf, c, q):
+    """Whether the word `per` (any case, a word of its own) ends right before position q."""
+    if q - 3 < c or (buf[q - 3] | 32) != 112 or (buf[q - 2] | 32) != 101 or (buf[q - 1] | 32) != 114:
+        return False
+    return q - 4 < c or not _is_word(buf[q - 4])
 
 
 @njit(cache=True, nogil=True)
