@@ -204,3 +204,26 @@ def test_the_prefilter_leaves_a_healthy_logs_lines_to_the_byte_scan(tmp_path, st
     assert len(candidates) / len(raw_lines) < 0.015, (
         f"{len(candidates)} of {len(raw_lines)} lines are prefilter candidates: a rule's pattern likely "
         "requires only common words (see prefilter.required_atoms)")
+
+
+def test_the_prefilter_finds_every_rules_example_lines_with_either_engine(monkeypatch):
+    """Every example line a rule must match is a candidate of both prefilters: Hyperscan reads a
+    pattern as bytes, so a character outside ASCII in a class or before a quantifier (`值?`) would
+    drop lines that RE2 and the exact matcher find."""
+    import numpy as np
+
+    from logtriage.api import get_catalog
+    from logtriage.catalog.matcher import Matcher
+    from logtriage.fastscan import prefilter as P
+
+    matcher = Matcher(get_catalog())
+    engines = [P.Prefilter(matcher.rules)]
+    monkeypatch.setattr(P, "_hyperscan_database", lambda *a: None)
+    engines.append(P.Prefilter(matcher.rules))
+    lines = [example.line for compiled in matcher.rules for example in compiled.rule.examples]
+    data = "\n".join(lines).encode() + b"\n"
+    starts = np.cumsum([0] + [len(line.encode()) + 1 for line in lines[:-1]]).astype(np.int64)
+    for engine in engines:
+        found = set(engine.candidate_lines(data, starts).tolist())
+        missed = [lines[i] for i in range(len(lines)) if i not in found]
+        assert not missed, (engine.hyperscan is not None, missed[:5])
