@@ -15,6 +15,7 @@ from dataclasses import replace
 from logtriage.analysis.exception_names import shadowing_file, short_type
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.hangs import fallback_rule
+from logtriage.analysis.rootcause import GENERIC_EXCEPTION_RULE
 from logtriage.analysis.roots import RootCause, read_as
 from logtriage.analysis.rule_readings import WRITE_FAILED_RULE
 from logtriage.catalog.loader import Catalog
@@ -42,7 +43,9 @@ _COPY_COMMAND = re.compile(r"Command '\[?'?(?:\S*/)?(?:tar|cp|rsync|mv|zip|gzip|
 # `teacher_logits.pt`, `once1_tokens.pt`, `part_3.pt`, `miss1_case_3_3.pt`, `replay_rank3_task0.pt`,
 # `shards/train_00004.pt`, `feats_v2/train-00002-of-00003.pt`, `scans_v2/shard_003.pt`); never one named for
 # checkpoints (_CHECKPOINT_NAMED)
-_DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:/data[\w.-]*/|/shards?/|logits|features|embeddings|"
+# a model's outputs kept for another pass, read back (_DATA_FILE) or written (_OUTPUT_WRITTEN)
+_MODEL_OUTPUTS = r"logits|features|embeddings"
+_DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:/data[\w.-]*/|/shards?/|" + _MODEL_OUTPUTS + "|"
                         r"tokeni[sz]ed|tokens[/_.]|partitions?[/_.]|/part_\d+\.|/shard[_-]\d+\.|"
                         r"(?:case|sample|volume|image|record)s?_\d+[_.]|replay[_.-]|"
                         r"/(?:train|val|valid|test|eval)[_.-]\d+(?:-of-\d+)?\.)[^']*'",
@@ -51,12 +54,11 @@ _DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:/data[\w.-]*/|/sha
 # that is not there: torch.save's failure, but nothing of a checkpoint (`Parent directory
 # /tmp/job_work/samples_rank2 does not exist.`)
 _OUTPUT_WRITTEN = re.compile(r"(?:Parent directory |No such file or directory: ')(?![^']*(?:checkpoint|ckpt))[^']*?/"
-                             r"(?:samples?|images?|predictions?|preds|embeddings?|logits|features|generations?|"
+                             r"(?:samples?|images?|predictions?|preds|" + _MODEL_OUTPUTS + r"|generations?|"
                              r"generated|visuali[sz]ations?|plots?|figures?)(?:[_.-]\w*)?(?:/|'| does not exist)",
                              re.IGNORECASE)
 _CHECKPOINT_NAMED = re.compile(r"No such file or directory: '[^']*(?:checkpoint|ckpt)[^']*'", re.IGNORECASE)
 FILE_NOT_FOUND_RULE = "python.file_not_found"
-_EXCEPTION_RULE = "python.exception"
 _MISSING_PATH = re.compile(r"is not a valid (?:directory|file|path)|does not exist|(?:not found|No such file)\b")
 # an object store answering that the key is not there (botocore's ClientError)
 _MISSING_OBJECT = re.compile(r"\((?:404|NoSuchKey)\) when calling the \w+ operation")
@@ -80,8 +82,8 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
         return replace(root, rule=rule, reasons=root.reasons + (
             "the missing file is data by its name (saved with torch.save, read with torch.load), not a checkpoint",))
     if f is not None and root.rule.id == WRITE_FAILED_RULE and _OUTPUT_WRITTEN.search(f.text):
-        return read_as(root, catalog, _EXCEPTION_RULE, "the file torch.save could not write is the program's output "
-                       "by its name (samples, predictions, embeddings, plots), not a checkpoint")
+        return read_as(root, catalog, GENERIC_EXCEPTION_RULE, "the file torch.save could not write is the program's "
+                       "output by its name (samples, predictions, embeddings, plots), not a checkpoint")
     if f is None or root.rule.id not in GENERIC_RULES or data_file:
         return root
     kind = short_type(f.exception_type)
@@ -170,7 +172,7 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
             f"the ValueError is raised in torchrun's `{f.last_frame}`, which parses its own options: a launcher "
             "option has a bad value (often a script argument that landed in its place)")
     elif kind == "EOFError" and root.rule.id == "ckpt.corrupt_archive" and f.last_frame == SPAWN_CHILD_FRAME:
-        rule_id, why = _EXCEPTION_RULE, (
+        rule_id, why = GENERIC_EXCEPTION_RULE, (
             "the EOFError is raised in multiprocessing's spawn `_main`, where a child unpickles what its parent "
             "sent: the parent failed to pickle the process's arguments (a lambda, a local class, an open file)")
     elif (root.rule.id in ("cuda.driver_unusable", "cuda.error") and "initialization error" in f.text
@@ -222,7 +224,7 @@ def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
             f"`{shadow}` is a file of the job's own where the standard library's module of that name should be: "
             "it hides that module from every import of it, torch's own included")
     elif kind == "EOFError" and root.rule.id == "ckpt.corrupt_archive" and f.last_frame and not f.checkpoint_frame:
-        rule_id, why = _EXCEPTION_RULE, (
+        rule_id, why = GENERIC_EXCEPTION_RULE, (
             f"the EOFError is raised in `{f.last_frame}`, and no frame of its traceback saves or loads a checkpoint "
             "(torch.load, a checkpoint function): an empty pickle of the program's own (a cache, a data file)")
     else:
@@ -251,7 +253,7 @@ def probe_json_without_banner(root: RootCause, has_banner: bool, catalog: Catalo
     f = root.finding
     if root.rule.id != PROBE_JSON_RULE or has_banner or f is None or "JSONDecodeError" not in f.text:
         return root
-    rule = catalog.get(_EXCEPTION_RULE)
+    rule = catalog.get(GENERIC_EXCEPTION_RULE)
     return root if rule is None else replace(root, rule=rule, confidence=min(root.confidence, 0.6), reasons=(
         *root.reasons, "no container banner in this log: the text that failed to parse as JSON is the "
         "program's own input (a data or config file), not an environment probe's output"))

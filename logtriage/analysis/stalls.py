@@ -86,18 +86,20 @@ def _last_lines(scan: ScanResult, keys: list[StreamKey], source: int, end: int
     names a step in a shape no other rank printed, after progress lines of another shape, is what it went on to
     do, not progress (`rank 2 writing validation images for step 3` after `rank 2 step 2 loss 0.50`); rank 0's
     lines of its own are the summaries a program logs on rank 0 only."""
-    pieces = [(rank, piece) for rank, piece in _ranked_pieces(scan, keys, source, end) if piece.strip()]
+    pieces = []   # (rank, the line, its step or None, its shape where it has a step)
     printed_by: dict[str, set[int]] = {}
-    for rank, piece in pieces:
-        if step_number(piece) is not None:
-            printed_by.setdefault(mask_numbers(piece).strip(), set()).add(rank)
+    for rank, piece in _ranked_pieces(scan, keys, source, end):
+        if piece.strip():
+            step = step_number(piece)
+            shape = mask_numbers(piece).strip() if step is not None else ""
+            if step is not None:
+                printed_by.setdefault(shape, set()).add(rank)
+            pieces.append((rank, piece, step, shape))
     last: dict[int, tuple[int | None, str]] = {}
     steps: dict[int, int] = {}
     shapes: dict[int, set[str]] = {}
-    for rank, piece in pieces:
-        step = step_number(piece)
+    for rank, piece, step, shape in pieces:
         if step is not None:
-            shape = mask_numbers(piece).strip()
             seen = shapes.setdefault(rank, set())
             if rank != 0 and seen and shape not in seen and printed_by[shape] == {rank}:
                 step = None
