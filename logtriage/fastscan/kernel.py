@@ -20,8 +20,9 @@ from numba import njit
 
 from logtriage.fastscan.flags import (  # noqa: F401
     COLLECTOR_STAMP, EMPTY, INHERIT, NO_RANK, NOT_PLAIN, SRUN_LABEL, STEP, STEP2)
-from logtriage.fastscan.kernel_lines import bar_then_text, has_high, has_pid, has_rank, is_stream_tag, redraw
-from logtriage.fastscan.kernel_markers import bracket_is_plain, is_step_at, leading, marker, user_marker_len
+from logtriage.fastscan.kernel_lines import (
+    bar_then_text, has_high, has_pid, has_rank, is_step_at, is_stream_tag, leading, redraw)
+from logtriage.fastscan.kernel_markers import bracket_is_plain, marker, user_marker_len
 from logtriage.fastscan.kernel_prefixes import collector_stamp, excepthook, is_digit, srun_label, tee
 
 MAX_PLAIN_LINE = 1900       # longer lines take the exact path (its step/world checks are length-bound)

@@ -1,6 +1,7 @@
 """Byte readers of a line's shape for the fast path's kernel (kernel.py): a progress bar and a bar
 with text glued after it (mirroring demux/clean.py), the part of a CR-redrawn line the terminal
-finally shows, a non-ASCII byte, the word `rank`, a `[stdout]`/`[stderr]` tag, a `pid=` field."""
+finally shows, a non-ASCII byte, the word `rank`, a `[stdout]`/`[stderr]` tag, a `pid=` field, the
+prefixes split.py strips before a glued rank's output, and a progress line's step word (scan_result.STEP)."""
 
 from __future__ import annotations
 
@@ -102,3 +103,46 @@ def redraw(buf, start, end):
             b = k
         k -= 1
     return last_a, last_b
+
+
+@njit(cache=True, nogil=True)
+def leading(buf, i, end):
+    """End of split.py's _LEADING: `(\\d{1,7}: )?(\\[[^\\[\\]]{1,120}\\](:|(?=\\[))? ?)*`."""
+    k = i
+    d = 0
+    while k < end and is_digit(buf[k]) and d < 8:
+        k += 1
+        d += 1
+    if 0 < d <= 7 and k + 1 < end and buf[k] == 58 and buf[k + 1] == 32:
+        i = k + 2
+    k = i
+    while k < end and buf[k] == 91:
+        j = k + 1
+        while j < end and j - k <= 121 and buf[j] != 93 and buf[j] != 91:
+            j += 1
+        if j >= end or buf[j] != 93 or j == k + 1 or j - k > 121:
+            break
+        j += 1
+        if j < end and buf[j] == 58:
+            j += 1
+        if j < end and buf[j] == 32:
+            j += 1
+        k = j
+    return k
+
+
+@njit(cache=True, nogil=True)
+def _is_word_byte(c):
+    return 48 <= c <= 57 or 65 <= c <= 90 or 97 <= c <= 122 or c == 95
+
+
+@njit(cache=True, nogil=True, inline="always")
+def is_step_at(buf, k, size):
+    """Whether the `t` at k starts "tep"/"ter" (step, iter, iteration), or ends a word "it" that a
+    counter follows (`it 3/7`, `it=3`)."""
+    if k + 2 >= size:
+        return False
+    if buf[k + 1] == 101 and (buf[k + 2] == 112 or buf[k + 2] == 114):
+        return True
+    return ((buf[k + 1] == 32 or buf[k + 1] == 61) and is_digit(buf[k + 2]) and k >= 1 and buf[k - 1] == 105
+            and (k < 2 or not _is_word_byte(buf[k - 2])))

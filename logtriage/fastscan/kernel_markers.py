@@ -1,6 +1,6 @@
 """Byte readers of the rank markers a script writes into its own lines (`[rank 3]`, `rank=3`, a
-logging format's rank field) and of a progress line's step, for the fast path's kernel (kernel.py).
-Each mirrors line_marks.find_rank_marker and scan_result.STEP."""
+logging format's rank field), for the fast path's kernel (kernel.py). Each mirrors
+line_marks.find_rank_marker or split.py's user marker."""
 
 from __future__ import annotations
 
@@ -282,46 +282,3 @@ def user_marker_len(buf, k, end):
     if digits == 0 or digits > 9 or j + 1 >= end or buf[j] != 93 or buf[j + 1] != 32:
         return 0
     return j + 2 - k
-
-
-@njit(cache=True, nogil=True)
-def leading(buf, i, end):
-    """End of split.py's _LEADING: `(\\d{1,7}: )?(\\[[^\\[\\]]{1,120}\\](:|(?=\\[))? ?)*`."""
-    k = i
-    d = 0
-    while k < end and is_digit(buf[k]) and d < 8:
-        k += 1
-        d += 1
-    if 0 < d <= 7 and k + 1 < end and buf[k] == 58 and buf[k + 1] == 32:
-        i = k + 2
-    k = i
-    while k < end and buf[k] == 91:
-        j = k + 1
-        while j < end and j - k <= 121 and buf[j] != 93 and buf[j] != 91:
-            j += 1
-        if j >= end or buf[j] != 93 or j == k + 1 or j - k > 121:
-            break
-        j += 1
-        if j < end and buf[j] == 58:
-            j += 1
-        if j < end and buf[j] == 32:
-            j += 1
-        k = j
-    return k
-
-
-@njit(cache=True, nogil=True)
-def _is_word_byte(c):
-    return 48 <= c <= 57 or 65 <= c <= 90 or 97 <= c <= 122 or c == 95
-
-
-@njit(cache=True, nogil=True, inline="always")
-def is_step_at(buf, k, size):
-    """Whether the `t` at k starts "tep"/"ter" (step, iter, iteration), or ends a word "it" that a
-    counter follows (`it 3/7`, `it=3`)."""
-    if k + 2 >= size:
-        return False
-    if buf[k + 1] == 101 and (buf[k + 2] == 112 or buf[k + 2] == 114):
-        return True
-    return ((buf[k + 1] == 32 or buf[k + 1] == 61) and is_digit(buf[k + 2]) and k >= 1 and buf[k - 1] == 105
-            and (k < 2 or not _is_word_byte(buf[k - 2])))
