@@ -53,6 +53,9 @@ def _build_reraised(findings: list[Finding]) -> list[Finding]:
 _GOING_ON = re.compile(r"\b(?:continu(?:e|es|ing)|retry(?:ing)?|will retry|skipp(?:ing|ed)|fall(?:ing)? ?back"
                        r"|ignor(?:e|es|ed|ing)|disabled|without (?:metrics|logging|telemetry|wandb|tensorboard)"
                        r"|rebuild(?:s|ing)?|recreat(?:e|es|ing)|reopen(?:s|ing)?)\b", re.IGNORECASE)
+# a going-on word the record denies (`refusing to continue`, `cannot continue`, `will not retry`)
+_DENIED = re.compile(r"\b(?:refus(?:e|es|ed|ing) to|cannot|can't|can not|unable to|not|won't|will not|no longer"
+                     r"|never)\s+$", re.IGNORECASE)
 # a record the program logged at WARNING level (`rank 2 WARNING: loader failed ...; rebuilding loader`,
 # `[WARNING] ...`, `... - WARNING - ...`): whatever rule its text matches, it says so as a warning
 _WARNING_RECORD = re.compile(r"(?:^|[\s\[|-])WARN(?:ING)?\b[\]:]?(?!\S)")
@@ -66,7 +69,7 @@ def _logged_going_on(findings: list[Finding], blocks: dict[int, tuple[int, int, 
     failure of the run, and neither is the traceback logged right under it
     (`logger.exception("eval hook failed; continuing")`)."""
     going = {(f.source, f.line): f for f in findings
-             if (f.rule.id in (LOGGED_ERROR, LOSS_NAN) or _WARNING_RECORD.search(f.text)) and _GOING_ON.search(f.text)}
+             if (f.rule.id in (LOGGED_ERROR, LOSS_NAN) or _WARNING_RECORD.search(f.text)) and _says_going_on(f.text)}
     if not going:
         return findings
     out = []
@@ -78,6 +81,10 @@ def _logged_going_on(findings: list[Finding], blocks: dict[int, tuple[int, int, 
             f = replace(f, went_on=True)
         out.append(f)
     return out
+
+
+def _says_going_on(text: str) -> bool:
+    return any(not _DENIED.search(text, 0, m.start()) for m in _GOING_ON.finditer(text))
 
 
 def _before_the_handler(findings: list[Finding], handling: dict[int, int], calls_failed: set[int]) -> list[Finding]:

@@ -136,20 +136,26 @@ def at_work_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int
     """In a start-up stopped from outside (no rank printed a step): the one rank that went on printing what it
     did after every other rank fell silent (`rank 2: recomputing the teacher logits`, `teacher logits 32/96`), or,
     of `workers` processes, the one rank other than 0 that printed anything at all (`rank 2: loading warm-start
-    tables ...`): the silent ranks waited for it. (Rank 0 alone speaking is a program that logs on rank 0 only.)"""
+    tables ...`): the silent ranks waited for it. (Rank 0 alone speaking is a program that logs on rank 0 only.)
+    A line every other rank printed too (the same warning from DDP's constructor, late) is no work of its own."""
     last: dict[int, int] = {}
-    lines: dict[int, list[int]] = {}
+    lines: dict[int, list[tuple[int, str]]] = {}
     for number, _, rank, piece in pieces_before(scan, keys, source, end):
         if rank is not None and piece.strip():
             last[rank] = number
-            lines.setdefault(rank, []).append(number)
+            lines.setdefault(rank, []).append((number, _own_number_masked(piece.strip(), rank)))
     if not last:
         return None
     rank = max(last, key=last.get)
     if len(last) == 1:
         return rank if rank != 0 and workers >= 2 else None
     others = max(n for r, n in last.items() if r != rank)
-    return rank if workers >= 3 and sum(n > others for n in lines[rank]) >= 2 else None
+    said = {text for r, texts in lines.items() if r != rank for _, text in texts}
+    return rank if workers >= 3 and sum(n > others and text not in said for n, text in lines[rank]) >= 2 else None
+
+
+def _own_number_masked(text: str, rank: int) -> str:
+    return re.sub(rf"(?<!\d){rank}(?!\d)", "#", text)
 
 
 def heartbeat_odd_one_out(scan: ScanResult, keys: list[StreamKey], root: RootCause) -> RootCause:

@@ -126,11 +126,17 @@ def stopped_in_startup(scan: ScanResult, keys: list[StreamKey], root: RootCause,
         "file or a lock), and the stop ended that hang",))
     workers = max(len(facts.known), _workers_stopped(findings, stop.source))
     rank = at_work_alone(scan, keys, stop.source, stop.line, workers)
-    if rank is None:
+    if rank is not None:
+        return replace(hung, rank=rank, ranks=(rank,), reasons=hung.reasons + (
+            f"rank {rank} went on printing what it did after every other rank fell silent: it was still at work, "
+            "and the others waited for it",))
+    _, by_rank = _last_worker_lines(scan, keys, stop.source, stop.line)
+    odd = odd_line_out({r: text for r, (_, text) in by_rank.items()}) if len(by_rank) == workers else None
+    if not odd:   # (rank 0 alone saying something else is a program that logs more on rank 0)
         return hung
-    return replace(hung, rank=rank, ranks=(rank,), reasons=hung.reasons + (
-        f"rank {rank} went on printing what it did after every other rank fell silent: it was still at work, and "
-        "the others waited for it",))
+    return replace(hung, rank=odd, ranks=(odd,), reasons=hung.reasons + (
+        f"every rank's last line before the stop is the same but rank {odd}'s (`{by_rank[odd][1][:120]}`): the "
+        "others had gone on to the same point and waited there for it",))
 
 
 def stopped_before_all_stepped(scan: ScanResult, root: RootCause, findings: list[Finding], facts: RankFacts,

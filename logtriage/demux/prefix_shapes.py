@@ -76,6 +76,9 @@ BRACKET_LABEL = re.compile(r"^\[([A-Za-z_]{0,12})-?(\d{1,7})\] ")
 GLOBAL_WORDS = frozenset({"", "r", "rank"})
 # a loop's own counters in brackets (`[epoch3] `, `[step120] `) are no rank label
 COUNTER_WORDS = frozenset("epoch ep e iter iteration it i step s batch b t loss round".split())
+# a template's field naming the role and the global rank glued (`${role_name}${rank}`: `[default1|1]:` from
+# `'[${role_name}${rank}|${local_rank}]:'`), as the tee header names the role and the local rank
+TEMPLATE_ROLE_RANK = re.compile(r"[A-Za-z_][A-Za-z_-]*?(\d{1,7})")
 TEMPLATE_LOCAL = re.compile(r"local(?:_rank)?[=:\s]?(\d{1,7})", re.IGNORECASE)
 MAX_INDENT = 8
 # a Markdown code fence around (or between parts of) a pasted log: not part of the log's conventions

@@ -44,7 +44,7 @@ from logtriage.demux.clean import after_bar
 from logtriage.demux.dialect import Dialect
 from logtriage.demux.prefix_shapes import (
     BRACKET_LABEL, EXCEPTHOOK, GLOBAL_WORDS, RANK_LABEL, RAY, RICH_HEAD, RICH_PATH, SPACED_RANK_LABEL, STREAM_TAG, TEE,
-    TEE_HOST, TEE_WIDE, TEMPLATE, TEMPLATE_LOCAL, TEMPLATE_RANK, VLLM_PROCESS, is_quoted, unquote)
+    TEE_HOST, TEE_WIDE, TEMPLATE, TEMPLATE_LOCAL, TEMPLATE_RANK, TEMPLATE_ROLE_RANK, VLLM_PROCESS, is_quoted, unquote)
 
 __all__ = ["Dialect", "Prefixes", "line_prefix_end", "strip_prefixes"]
 
@@ -100,6 +100,17 @@ class Prefixes:
     @property
     def any_rank(self) -> int | None:
         return self.rank if self.rank is not None else self.local_rank
+
+
+def _role_rank_fields(inner: str) -> tuple[int, int | None] | None:
+    """The global rank and the local rank of a template whose one field glues the role name to the
+    rank (`default1|1`: `${role_name}${rank}|${local_rank}`); the other fields are numbers or words."""
+    fields = inner.split("|")
+    named = [m for m in map(TEMPLATE_ROLE_RANK.fullmatch, fields) if m]
+    numbers = [f for f in fields if f.isdigit() and len(f) <= 7]
+    if len(named) != 1 or any(not (f.isdigit() or f.isalpha()) for f in fields if f != named[0].group(0)):
+        return None
+    return int(named[0].group(1)), int(numbers[0]) if len(numbers) == 1 else None
 
 
 def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
@@ -162,6 +173,9 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
             lm = TEMPLATE_LOCAL.search(inner)
             if lm:
                 local = int(lm.group(1))
+            layers.append("template")
+        elif "|" in inner and (fields := _role_rank_fields(inner)) is not None:
+            rank, local, text = fields[0], fields[1], text[m.end():]
             layers.append("template")
         elif "|" in inner and EXCEPTHOOK.match(text[m.end():]):
             # a template whose rank field the tool cannot read (`[default|第1卡] `: "card 1"), before
