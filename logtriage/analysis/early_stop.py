@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from logtriage.analysis.rank_evidence import PEER_LEFT_RULES
 from logtriage.analysis.roots import RankFacts, RootCause
-from logtriage.analysis.stalls import pieces_before
+from logtriage.analysis.last_lines import pieces_before
 from logtriage.demux.streams import StreamKey
 from logtriage.scan_result import ScanResult
 

@@ -12,7 +12,7 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.roots import RootCause
-from logtriage.analysis.stalls import pieces_before
+from logtriage.analysis.last_lines import pieces_before
 from logtriage.catalog.rule import Category
 from logtriage.demux.streams import StreamKey
 from logtriage.scan_result import ScanResult, step_number

@@ -9,20 +9,16 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding, mask_numbers
+from logtriage.analysis.last_lines import WINDOW, pieces_before, ranked_pieces, went_on_alone
 from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.refine import at_the_odd_step, stopped_while_waiting_rule
 from logtriage.analysis.roots import RankFacts, RootCause
-from logtriage.analysis.stopped import message_of
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
-from logtriage.demux.line_marks import find_rank_marker
-from logtriage.demux.split import split_glued
 from logtriage.demux.streams import StreamKey, StreamKind
-from logtriage.ingest.lines import read_lines
 from logtriage.rank_ranges import ranges
 from logtriage.scan_result import ScanResult, step_number
 
-WINDOW = 160          # lines read back before the stop
 REPEATS = 3           # heartbeats at one step that make a stall
 WATCHDOG_RULE = "hang.watchdog_heartbeat"
 
@@ -79,85 +75,6 @@ def time_limit_ended_hang(scan: ScanResult, keys: list[StreamKey], root: RootCau
                      reasons)
 
 
-def _last_lines(scan: ScanResult, keys: list[StreamKey], source: int, end: int
-                ) -> tuple[dict[int, tuple[int | None, str]], dict[int, int]]:
-    """Each rank's last line before `end` (its step, None for a line that is not progress, and the line with
-    its numbers masked), and the step of each rank's last progress line. A line of a rank other than 0 that
-    names a step in a shape no other rank printed, after progress lines of another shape, is what it went on to
-    do, not progress (`rank 2 writing validation images for step 3` after `rank 2 step 2 loss 0.50`); rank 0's
-    lines of its own are the summaries a program logs on rank 0 only."""
-    pieces = []   # (rank, the line, its step or None, its shape where it has a step)
-    printed_by: dict[str, set[int]] = {}
-    for rank, piece in _ranked_pieces(scan, keys, source, end):
-        if piece.strip():
-            step = step_number(piece)
-            shape = mask_numbers(piece).strip() if step is not None else ""
-            if step is not None:
-                printed_by.setdefault(shape, set()).add(rank)
-            pieces.append((rank, piece, step, shape))
-    last: dict[int, tuple[int | None, str]] = {}
-    steps: dict[int, int] = {}
-    shapes: dict[int, set[str]] = {}
-    for rank, piece, step, shape in pieces:
-        if step is not None:
-            seen = shapes.setdefault(rank, set())
-            if rank != 0 and seen and shape not in seen and printed_by[shape] == {rank}:
-                step = None
-            seen.add(shape)
-        last[rank] = (step, piece)
-        if step is not None:
-            steps[rank] = step
-    return last, steps
-
-
-def went_on_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> int | None:
-    """The one rank whose last line before `end` is not a progress line, where every other rank's
-    last line is one, all at the step that rank last reported too."""
-    last, steps = _last_lines(scan, keys, source, end)
-    went_on = [r for r, (step, _) in last.items() if step is None]
-    if len(last) < 2 or len(went_on) != 1 or len(set(steps.values())) != 1 or set(steps) != set(last):
-        return None
-    return went_on[0]
-
-
-def fell_behind_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> int | None:
-    """The one rank whose last line before `end` is its progress line, where every other rank's last
-    line is one same message (numbers aside) after its progress at that same step (`rank 0 eval: 4
-    images`): the others went on from that step together, and it did not."""
-    last, steps = _last_lines(scan, keys, source, end)
-    behind = [r for r, (step, _) in last.items() if step is not None]
-    if len(last) < 3 or len(behind) != 1 or set(steps) != set(last) or len(set(steps.values())) != 1:
-        return None
-    went_on = {mask_numbers(piece).strip() for r, (_, piece) in last.items() if r != behind[0]}
-    return behind[0] if len(went_on) == 1 else None
-
-
-def at_work_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int, workers: int) -> int | None:
-    """In a start-up stopped from outside (no rank printed a step): the one rank that went on printing what it
-    did after every other rank fell silent (`rank 2: recomputing the teacher logits`, `teacher logits 32/96`), or,
-    of `workers` processes, the one rank other than 0 that printed anything at all (`rank 2: loading warm-start
-    tables ...`): the silent ranks waited for it. (Rank 0 alone speaking is a program that logs on rank 0 only.)
-    A line every other rank printed too (the same warning from DDP's constructor, late) is no work of its own."""
-    last: dict[int, int] = {}
-    lines: dict[int, list[tuple[int, str]]] = {}
-    for number, _, rank, piece in pieces_before(scan, keys, source, end):
-        if rank is not None and piece.strip():
-            last[rank] = number
-            lines.setdefault(rank, []).append((number, _own_number_masked(piece.strip(), rank)))
-    if not last:
-        return None
-    rank = max(last, key=last.get)
-    if len(last) == 1:
-        return rank if rank != 0 and workers >= 2 else None
-    others = max(n for r, n in last.items() if r != rank)
-    said = {text for r, texts in lines.items() if r != rank for _, text in texts}
-    return rank if workers >= 3 and sum(n > others and text not in said for n, text in lines[rank]) >= 2 else None
-
-
-def _own_number_masked(text: str, rank: int) -> str:
-    return re.sub(rf"(?<!\d){rank}(?!\d)", "#", text)
-
-
 def heartbeat_odd_one_out(scan: ScanResult, keys: list[StreamKey], root: RootCause) -> RootCause:
     """A hang with no rank (the output just stops) whose ranks' last lines are heartbeats at one
     step: the rank whose heartbeat says something else than all the others' is the one they wait for."""
@@ -207,7 +124,7 @@ def _progress_before(scan: ScanResult, keys: list[StreamKey], source: int, end: 
     """Each rank's progress messages (step, masked text, order in the window) in the WINDOW lines
     before line `end`."""
     beats: dict[int, list] = {}
-    for order, (rank, piece) in enumerate(_ranked_pieces(scan, keys, source, end)):
+    for order, (rank, piece) in enumerate(ranked_pieces(scan, keys, source, end)):
         step = step_number(piece)
         if step is not None:
             beats.setdefault(rank, []).append((step, mask_numbers(piece).strip(), order))
@@ -236,30 +153,6 @@ def _repeat_start(texts: list) -> int:
     while start > 0 and texts[start - 1][1] == texts[-1][1]:
         start -= 1
     return texts[start][2]
-
-
-def _ranked_pieces(scan: ScanResult, keys: list[StreamKey], source: int, end: int):
-    """(rank, message) for each rank's message in the WINDOW lines before line `end`."""
-    for _, _, rank, piece in pieces_before(scan, keys, source, end):
-        if rank is not None:
-            yield rank, piece
-
-
-def pieces_before(scan: ScanResult, keys: list[StreamKey], source: int, end: int, after: int = 0):
-    """(line, stream, rank, message) for each message in the WINDOW lines before line `end` (and the
-    `after` lines from it on): its rank is the line's own stream's, or the one its text names (None
-    for neither); two ranks' messages glued on one line are two."""
-    index = scan.indexes[source]
-    numbers = list(range(max(1, end - WINDOW), end + after))
-    texts = read_lines(scan.sources[source], index, numbers)
-    for number in numbers:
-        if number - 1 >= len(index.slots):
-            break
-        key = keys[scan.slots.final(index.slots[number - 1])]
-        own = key.rank if key.kind is StreamKind.RANK else None
-        for piece in split_glued(message_of(texts.get(number, ""))):
-            marked = find_rank_marker(piece)
-            yield number, key, own if marked is None else marked, piece
 
 
 def _repeats_at_one_step(texts: list[tuple[int, str]]) -> bool:

@@ -17,11 +17,11 @@ from logtriage.analysis.hangs import EXIT_STALLED
 from logtriage.analysis.odd_start import odd_line_out
 from logtriage.analysis.refine import at_the_odd_step, stopped_while_waiting_rule
 from logtriage.analysis.roots import RankFacts, RootCause
-from logtriage.analysis.stalls import at_work_alone, fell_behind_alone, pieces_before, went_on_alone
+from logtriage.analysis.last_lines import at_work_alone, fell_behind_alone, last_worker_lines, went_on_alone
 from logtriage.analysis.timestamps import Stamp, parse_stamp
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
-from logtriage.demux.streams import StreamKey, StreamKind
+from logtriage.demux.streams import StreamKey
 from logtriage.ingest.lines import read_lines
 from logtriage.scan_result import ScanResult
 
@@ -33,12 +33,10 @@ SIGTERM_SENT = "launcher.sigterm_sent"   # the agent stopping a worker by pid: o
 # a SIGHUP is a closed terminal, which says nothing of the job
 _STOPPED_BY = re.compile(r"Received (15|2|SIGTERM|SIGINT) death signal|got signal: (15|2)\b")
 _TERMINATION = frozenset({"15", "SIGTERM"})   # of those, the signal a `timeout` or a time limit sends
-_WORKER_KINDS = frozenset({StreamKind.RANK, StreamKind.UNATTRIBUTED})
 # since the wait began, these are no failure of their own: the stop, and a watchdog's report of the
 # stall (faulthandler's `Timeout (0:00:10)!` stacks) that says the wait went on
 _NOT_FAILURES = frozenset({Category.EXTERNAL_STOP, Category.HANG})
 
-LastLine = tuple[int, str]   # (line number, message)
 
 
 def waiting_before_stop(scan: ScanResult, keys: list[StreamKey], root: RootCause, findings: list[Finding],
@@ -50,7 +48,7 @@ def waiting_before_stop(scan: ScanResult, keys: list[StreamKey], root: RootCause
     if stop is None or stop.source >= len(scan.sources) or not (
             stopped or (root.rule.id == EXIT_STALLED and root.rank is None)):
         return root
-    last, by_rank = _last_worker_lines(scan, keys, stop.source, stop.line)
+    last, by_rank = last_worker_lines(scan, keys, stop.source, stop.line)
     waiting = [rank for rank, (_, text) in by_rank.items() if _WAITING.search(text)]
     # (one rank alone speaking of the workers the launcher stopped, not rank 0, which may log for all: the
     # silent ones waited for it)
@@ -94,19 +92,6 @@ def _seconds_between(begun: Stamp | None, end: Stamp | None) -> float | None:
     return None
 
 
-def _last_worker_lines(scan: ScanResult, keys: list[StreamKey], source: int,
-                       end: int) -> tuple[LastLine | None, dict[int, LastLine]]:
-    """The last worker message before line `end` (a rank's or one no stream claims), and each rank's."""
-    last: LastLine | None = None
-    by_rank: dict[int, LastLine] = {}
-    for number, key, rank, piece in pieces_before(scan, keys, source, end):
-        if key.kind in _WORKER_KINDS and piece.strip():
-            last = (number, piece.strip())
-            if rank is not None:
-                by_rank[rank] = last
-    return last, by_rank
-
-
 def stopped_in_startup(scan: ScanResult, keys: list[StreamKey], root: RootCause, findings: list[Finding],
                        facts: RankFacts, catalog: Catalog) -> RootCause:
     """An external stop, STARTUP_SECONDS or more after the launcher's first stamped line, of a job
@@ -130,7 +115,7 @@ def stopped_in_startup(scan: ScanResult, keys: list[StreamKey], root: RootCause,
         return replace(hung, rank=rank, ranks=(rank,), reasons=hung.reasons + (
             f"rank {rank} went on printing what it did after every other rank fell silent: it was still at work, "
             "and the others waited for it",))
-    _, by_rank = _last_worker_lines(scan, keys, stop.source, stop.line)
+    _, by_rank = last_worker_lines(scan, keys, stop.source, stop.line)
     odd = odd_line_out({r: text for r, (_, text) in by_rank.items()}) if len(by_rank) == workers else None
     if not odd:   # (rank 0 alone saying something else is a program that logs more on rank 0)
         return hung
@@ -214,7 +199,7 @@ def stopped_in_stride(scan: ScanResult, keys: list[StreamKey], root: RootCause, 
     ran = _seconds_before_stop(scan, stop)
     if ran is None or ran < STARTUP_SECONDS:
         return root
-    early = [(rank, text) for rank, (_, text) in _last_worker_lines(scan, keys, stop.source, stop.line)[1].items()
+    early = [(rank, text) for rank, (_, text) in last_worker_lines(scan, keys, stop.source, stop.line)[1].items()
              if STOPPED_EARLY.search(text)]
     rank, said = early[0] if len(early) == 1 else (None, "")
     return replace(root, rule=stopped_while_waiting_rule(catalog), rank=rank, ranks=(rank,) if rank is not None
