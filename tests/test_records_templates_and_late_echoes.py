@@ -84,3 +84,38 @@ def test_a_rank_still_printing_its_own_work_after_the_others_fell_silent_stays_t
     log = tmp_path / "edited.log"
     log.write_text("".join(lines))
     assert triage([str(log)]).to_dict()["root_cause"]["rank"] == 3
+
+
+# the 185th-189th batches: a hand-written scaler's floor check, a loader's dtype check of a checkpoint,
+# DataLoader's timeout printed as given, and the rank that left the loop the others stayed in
+
+
+def test_a_scalers_own_floor_check_is_the_loss_scale_reaching_its_minimum():
+    # `RuntimeError: rank 2: loss scale 0 below minimum 1 at step 4` (bf16 autocast, a hand-written dynamic scaler)
+    assert root_facts("amp_scaleunder_np4_r2_tee_trainer") == ("numerical.loss_scale_min", "numerical", 2, 23,
+                                                               "RuntimeError")
+
+
+def test_a_loaders_dtype_check_of_a_checkpoint_is_a_checkpoint_mismatch():
+    # `TypeError: checkpoint tensor 'emb.weight' in .../amp_init_export_fp16.pt has dtype torch.float16, expected
+    # torch.float32 (strict dtype check)`
+    assert root_facts("amp_ckpthalf_np3_r2_tee") == ("ckpt.format_mismatch", "checkpoint", 2, 14, "TypeError")
+
+
+def test_a_dataloader_timeout_given_as_a_float_is_the_loaders_timeout():
+    # `RuntimeError: DataLoader timed out after 5.0 seconds` (timeout=5.0): the rank's workers stalled
+    rc = root_facts("pin_dltimeout_np4_r2_filter")
+    assert rc[:4] == ("data.loader_timeout", "hang", 2, 24)
+
+
+def test_the_rank_that_left_the_loop_after_fewer_steps_is_the_one_the_others_waited_for():
+    # ranks 0, 1 and 3 end on `rank N step 6 ...`; rank 2, after its step 5: `rank 2: approx KL 0.0000 > target
+    # 0.0000 at epoch 0, stopping updates; running evaluation episodes`; then `timeout` stops the job
+    assert verdict_and_root("ppo_klearly_np4_r2_tee") == ("hung", "hang.stopped_while_waiting", "hang", 2)
+
+
+def test_a_rank_whose_last_step_is_past_the_others_did_not_leave_their_loop(tmp_path):
+    # the same run, rank 2's last progress line at step 7, past the others' step 6: nothing says it left first
+    report = edited_report("ppo_klearly_np4_r2_tee", "[default2]:rank 2 step 5 loss", "[default2]:rank 2 step 7 loss",
+                           tmp_path)
+    assert report["root_cause"]["rank"] is None

@@ -89,12 +89,15 @@ def _last_lines(scan: ScanResult, keys: list[StreamKey], source: int, end: int
 
 def went_on_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> int | None:
     """The one rank whose last line before `end` is not a progress line, where every other rank's
-    last line is one, all at the step that rank last reported too."""
+    last line is one, all at one step, and that rank's last progress was at that step or before it
+    (`rank 2: approx KL ... stopping updates; running evaluation episodes` after its step 5, the others
+    at step 6: it left the loop the others stayed in)."""
     last, steps = _last_lines(scan, keys, source, end)
     went_on = [r for r, (step, _) in last.items() if step is None]
-    if len(last) < 2 or len(went_on) != 1 or len(set(steps.values())) != 1 or set(steps) != set(last):
+    if len(last) < 2 or len(went_on) != 1 or set(steps) != set(last):
         return None
-    return went_on[0]
+    others = {step for r, step in steps.items() if r != went_on[0]}
+    return went_on[0] if len(others) == 1 and steps[went_on[0]] <= min(others) else None
 
 
 def fell_behind_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> int | None:
