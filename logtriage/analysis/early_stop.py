@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from logtriage.analysis.last_lines import pieces_before
 from logtriage.analysis.rank_evidence import PEER_LEFT_RULES
 from logtriage.analysis.roots import RankFacts, RootCause
-from logtriage.analysis.last_lines import pieces_before
 from logtriage.demux.streams import StreamKey
 from logtriage.scan_result import ScanResult
 

@@ -11,8 +11,8 @@ import math
 import re
 from dataclasses import replace
 
-from logtriage.analysis.roots import RootCause
 from logtriage.analysis.last_lines import pieces_before
+from logtriage.analysis.roots import RootCause
 from logtriage.catalog.rule import Category
 from logtriage.demux.streams import StreamKey
 from logtriage.scan_result import ScanResult, step_number

@@ -11,10 +11,10 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import mask_numbers
+from logtriage.analysis.last_lines import pieces_before
 from logtriage.analysis.odd_dtype import SIZE_RULE
 from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.roots import RankFacts, RootCause
-from logtriage.analysis.last_lines import pieces_before
 from logtriage.analysis.stopped import PDSH_HOST
 from logtriage.catalog.rule import Category
 from logtriage.demux.line_marks import OWN_RANK

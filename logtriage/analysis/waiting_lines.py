@@ -4,7 +4,8 @@ by pid 48213 ..., waiting`, `atexit: waiting for 6 pending metric uploads`), wit
 since: the stop ended a wait that was not going to end. Where one rank's last line says it waits and
 every other rank's last line says something else, that rank is where the job stuck. A job stopped by
 a SIGTERM or Ctrl-C half a minute or more after the launcher started it, before any rank printed a
-single step and with nothing failed, never got through its start-up: it hung there."""
+single step and with nothing failed, never got through its start-up: it hung there, where the one rank
+whose last line differs from all the others' (they reached the same point) kept them waiting."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from dataclasses import replace
 from logtriage.analysis.early_stop import STOPPED_EARLY
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.hangs import EXIT_STALLED
+from logtriage.analysis.last_lines import at_work_alone, fell_behind_alone, last_worker_lines, went_on_alone
 from logtriage.analysis.odd_start import odd_line_out
 from logtriage.analysis.refine import at_the_odd_step, stopped_while_waiting_rule
 from logtriage.analysis.roots import RankFacts, RootCause
-from logtriage.analysis.last_lines import at_work_alone, fell_behind_alone, last_worker_lines, went_on_alone
 from logtriage.analysis.timestamps import Stamp, parse_stamp
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
@@ -36,7 +37,6 @@ _TERMINATION = frozenset({"15", "SIGTERM"})   # of those, the signal a `timeout`
 # since the wait began, these are no failure of their own: the stop, and a watchdog's report of the
 # stall (faulthandler's `Timeout (0:00:10)!` stacks) that says the wait went on
 _NOT_FAILURES = frozenset({Category.EXTERNAL_STOP, Category.HANG})
-
 
 
 def waiting_before_stop(scan: ScanResult, keys: list[StreamKey], root: RootCause, findings: list[Finding],
