@@ -60,7 +60,7 @@ from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_nam
                                               waited_for_a_crash, writer_behind_readers)
 from logtriage.analysis.silent_first import silent_death_first
 from logtriage.analysis.stalls import (behind_ranks_ended, heartbeat_odd_one_out, heartbeats_before_stop,
-                                       time_limit_ended_hang, watchdog_spared_rank)
+                                       late_rank_went_on, time_limit_ended_hang, watchdog_spared_rank)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
 from logtriage.analysis.waiting_lines import (stopped_after_one_went_on, stopped_before_all_stepped, stopped_in_startup,
                                              stopped_in_stride,
@@ -140,7 +140,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = odd_dtype_rank(different_collectives_at_one_seq(root, findings, catalog), scan, keys)
         root = loss_outlier_rank(scan, keys, p2p_sender_rank(root, findings))
         root = finite_invalid_values(scan, root, catalog)
-        root = watchdog_spared_rank(root, findings, facts)
+        root = watchdog_spared_rank(late_rank_went_on(scan, keys, root, findings), findings, facts)
         root = store_wait_after_progress(root, findings, facts, first_progress(stream_stats), catalog)
         root = own_server_port_taken(root, findings, catalog)
         root = rank0_model_differs(root, findings, facts.known)
@@ -205,7 +205,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         if root is None:
             root = stuck_after_warning(tail, findings) or output_stopped(scan, keys, tail, facts, catalog)
             if root is not None:
-                root = heartbeat_odd_one_out(scan, keys, root)
+                root = late_rank_went_on(scan, keys, heartbeat_odd_one_out(scan, keys, root), findings)
             verdict = Verdict.HUNG if root is not None else Verdict.OK
     recovered = None
     if verdict is Verdict.FAILED and root is not None:

@@ -9,7 +9,8 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding, mask_numbers
-from logtriage.analysis.last_lines import WINDOW, pieces_before, ranked_pieces, went_on_alone
+from logtriage.analysis.last_lines import WINDOW, last_worker_lines, pieces_before, ranked_pieces, went_on_alone
+from logtriage.analysis.odd_start import odd_line_out
 from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.refine import at_the_odd_step, stopped_while_waiting_rule
 from logtriage.analysis.roots import RankFacts, RootCause
@@ -21,6 +22,7 @@ from logtriage.scan_result import ScanResult, step_number
 
 REPEATS = 3           # heartbeats at one step that make a stall
 WATCHDOG_RULE = "hang.watchdog_heartbeat"
+SIGTERM_SENT = "launcher.sigterm_sent"   # the agent stopping its workers: a late rank was stopped, not late
 
 
 def heartbeats_before_stop(scan: ScanResult, keys: list[StreamKey], root: RootCause, findings: list[Finding],
@@ -73,6 +75,37 @@ def time_limit_ended_hang(scan: ScanResult, keys: list[StreamKey], root: RootCau
                     "what it went on to do: the others waited for it there",)
     return RootCause(limit.rule, limit, rank, (rank,) if rank is not None else (), min(root.confidence, 0.5),
                      reasons)
+
+
+def late_rank_went_on(scan: ScanResult, keys: list[StreamKey], root: RootCause, findings: list[Finding]) -> RootCause:
+    """A collective timeout no rank is missing from, or output that just stops, under a launcher that stops
+    no one (a hand-made loop, mp.spawn): the late rank was not killed, so it timed out too late to be missing,
+    or lost its connection when it came. Its own last words before the first traceback (or the end) say it
+    went on to something else while every other rank's last line is its progress at one step (`rank 1:
+    threshold drifted, rescanning full sensor history`); before a timeout it did not share, also words that
+    differ from every other rank's, which agree. Rank 0 saying more than the others where the output stops
+    is a program that logs its summaries there (`saved ckpt/model.pt`), not a rank gone elsewhere."""
+    timeout = root.rule.category is Category.COLLECTIVE_TIMEOUT
+    if root.rank is not None or root.finding is None or not (timeout or root.rule.category is Category.HANG) \
+            or any(f.rule.id == SIGTERM_SENT for f in findings):
+        return root
+    source = root.finding.source
+    if timeout:
+        starts = [scan.blocks[f.block_id][1] for f in findings if f.is_error and f.source == source
+                  and f.block_id in scan.blocks]
+        end = min(starts + [root.finding.line])
+    else:
+        end = len(scan.indexes[source].offsets) + 1
+    rank = went_on_alone(scan, keys, source, end)
+    if rank is None and timeout:
+        _, by_rank = last_worker_lines(scan, keys, source, end)
+        rank = odd_line_out({r: text for r, (_, text) in by_rank.items()})
+    if rank is None or (not timeout and rank == 0) or (timeout and any(
+            f.rank == rank and f.category is Category.COLLECTIVE_TIMEOUT for f in findings if f.is_error)):
+        return root
+    return replace(root, rank=rank, ranks=(rank,), reasons=root.reasons + (
+        f"rank {rank}'s own last line before {'the first traceback' if timeout else 'the output stops'} says it "
+        "went on to something else, or says other than every other rank's: the others waited for it there",))
 
 
 def heartbeat_odd_one_out(scan: ScanResult, keys: list[StreamKey], root: RootCause) -> RootCause:
