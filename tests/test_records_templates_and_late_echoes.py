@@ -119,3 +119,14 @@ def test_a_rank_whose_last_step_is_past_the_others_did_not_leave_their_loop(tmp_
     report = edited_report("ppo_klearly_np4_r2_tee", "[default2]:rank 2 step 5 loss", "[default2]:rank 2 step 7 loss",
                            tmp_path)
     assert report["root_cause"]["rank"] is None
+
+
+def test_in_a_stopped_start_up_the_rank_whose_last_line_has_another_shape_is_the_one_they_waited_for():
+    # ranks 0 and 1 end on `rank N: 24 examples -> 42 windows` (numbers their own); rank 2 on `rank 2: tokenizer
+    # cache stale, re-tokenising the full split`; `timeout` stops the job (205th batch)
+    assert verdict_and_root("qa_retok_np3_r2_plain") == ("hung", "hang.stopped_while_waiting", "hang", 2)
+
+
+def test_a_style_image_torch_load_misses_is_a_missing_file_not_a_checkpoint():
+    # `FileNotFoundError: ... '/tmp/job_work/styles/style01.pt'` under torch.load (209th batch)
+    assert root_facts("gan2_stylefile_np3_r1_tee_trainer")[:3] == ("python.file_not_found", "python_exception", 1)

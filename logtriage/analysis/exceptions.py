@@ -45,9 +45,10 @@ _COPY_COMMAND = re.compile(r"Command '\[?'?(?:\S*/)?(?:tar|cp|rsync|mv|zip|gzip|
 # checkpoints (_CHECKPOINT_NAMED)
 # a model's outputs kept for another pass, read back (_DATA_FILE) or written (_OUTPUT_WRITTEN)
 _MODEL_OUTPUTS = r"logits|features|embeddings"
-# a folder named for the data it holds (`clips/shard_0_16k.pt`, `series/sensors_3.pt`: cpu_adhoc 195th, 197th batches)
+# a folder named for the data it holds (`clips/shard_0_16k.pt`, `series/sensors_3.pt`, `styles/style01.pt`: cpu_adhoc
+# 195th, 197th and 209th batches)
 _DATA_FOLDERS = (r"/(?:clips|series|audio|wavs?|signals?|frames|videos?|corpus|captions|labels|masks|annotations|"
-                 r"images|imgs|ratings|interactions)(?:[_-]\w+)?/")
+                 r"images|imgs|styles|ratings|interactions)(?:[_-]\w+)?/")
 _DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:/data[\w.-]*/|/shards?/|" + _MODEL_OUTPUTS + "|"
                         + _DATA_FOLDERS + "|"
                         r"tokeni[sz]ed|tokens[/_.]|partitions?[/_.]|/part_\d+\.|/shard[_-]\d+\.|"
