@@ -14,6 +14,7 @@ from logtriage.analysis.odd_start import odd_line_out
 from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.refine import at_the_odd_step, stopped_while_waiting_rule
 from logtriage.analysis.roots import RankFacts, RootCause
+from logtriage.analysis.signal_readings import TEARDOWN_RULE
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
 from logtriage.demux.streams import StreamKey, StreamKind
@@ -22,7 +23,6 @@ from logtriage.scan_result import ScanResult, step_number
 
 REPEATS = 3           # heartbeats at one step that make a stall
 WATCHDOG_RULE = "hang.watchdog_heartbeat"
-SIGTERM_SENT = "launcher.sigterm_sent"   # the agent stopping its workers: a late rank was stopped, not late
 
 
 def heartbeats_before_stop(scan: ScanResult, keys: list[StreamKey], root: RootCause, findings: list[Finding],
@@ -87,7 +87,7 @@ def late_rank_went_on(scan: ScanResult, keys: list[StreamKey], root: RootCause, 
     is a program that logs its summaries there (`saved ckpt/model.pt`), not a rank gone elsewhere."""
     timeout = root.rule.category is Category.COLLECTIVE_TIMEOUT
     if root.rank is not None or root.finding is None or not (timeout or root.rule.category is Category.HANG) \
-            or any(f.rule.id == SIGTERM_SENT for f in findings):
+            or any(f.rule.id == TEARDOWN_RULE for f in findings):
         return root
     source = root.finding.source
     if timeout:

@@ -19,6 +19,7 @@ from logtriage.analysis.last_lines import at_work_alone, fell_behind_alone, last
 from logtriage.analysis.odd_start import odd_line_out
 from logtriage.analysis.refine import at_the_odd_step, stopped_while_waiting_rule
 from logtriage.analysis.roots import RankFacts, RootCause
+from logtriage.analysis.signal_readings import TEARDOWN_RULE
 from logtriage.analysis.timestamps import Stamp, parse_stamp
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
@@ -29,7 +30,6 @@ from logtriage.scan_result import ScanResult
 WAIT_SECONDS = 30.0   # a stamped wait shorter than this when the stop came is no hang (a component stopped it)
 _WAITING = re.compile(r"\bwaiting\b|\bwaits? (?:for|on|until)\b", re.IGNORECASE)
 STARTUP_SECONDS = 30.0   # from the launcher's start to the stop, no step printed: start-up had stuck
-SIGTERM_SENT = "launcher.sigterm_sent"   # the agent stopping a worker by pid: one was there
 # the launcher's words for the signal it got: SIGTERM (a `timeout`, a scheduler) or SIGINT (Ctrl-C);
 # a SIGHUP is a closed terminal, which says nothing of the job
 _STOPPED_BY = re.compile(r"Received (15|2|SIGTERM|SIGINT) death signal|got signal: (15|2)\b")
@@ -99,7 +99,7 @@ def stopped_in_startup(scan: ScanResult, keys: list[StreamKey], root: RootCause,
     (a rendezvous or an init that never completed, a wait on a file or a lock)."""
     stop = root.finding
     if (not _signalled_stop_alone(root, findings) or stop.stamp is None or stop.source >= len(scan.sources)
-            or facts.last_step or not (facts.known or any(f.rule.id == SIGTERM_SENT for f in findings))):
+            or facts.last_step or not (facts.known or any(f.rule.id == TEARDOWN_RULE for f in findings))):
         return root     # (workers the launcher stopped by pid, where no line names a rank, were there too)
     ran = _seconds_before_stop(scan, stop)
     if ran is None or ran < STARTUP_SECONDS:
@@ -224,7 +224,7 @@ def stopped_in_stride(scan: ScanResult, keys: list[StreamKey], root: RootCause, 
 
 def _workers_stopped(findings: list[Finding], source: int) -> int:
     """How many worker processes the launcher stopped by pid in that source (`Sending process N closing signal`)."""
-    return sum(f.rule.id == SIGTERM_SENT and f.source == source for f in findings)
+    return sum(f.rule.id == TEARDOWN_RULE and f.source == source for f in findings)
 
 
 def _seconds_before_stop(scan: ScanResult, stop: Finding) -> float | None:
