@@ -4,11 +4,9 @@ that went on alone, fell behind alone, or was still at work after the others fel
 
 from __future__ import annotations
 
-import re
-
 from logtriage.analysis.findings import mask_numbers
 from logtriage.analysis.stopped import message_of
-from logtriage.demux.line_marks import find_rank_marker
+from logtriage.demux.line_marks import OWN_RANK, find_rank_marker
 from logtriage.demux.split import split_glued
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.ingest.lines import read_lines
@@ -123,7 +121,7 @@ def at_work_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int
     for number, _, rank, piece in pieces_before(scan, keys, source, end):
         if rank is not None and piece.strip():
             last[rank] = number
-            lines.setdefault(rank, []).append((number, _own_number_masked(piece.strip(), rank)))
+            lines.setdefault(rank, []).append((number, OWN_RANK.sub("rank #", piece.strip())))
     if not last:
         return None
     rank = max(last, key=last.get)
@@ -132,7 +130,3 @@ def at_work_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int
     others = max(n for r, n in last.items() if r != rank)
     said = {text for r, texts in lines.items() if r != rank for _, text in texts}
     return rank if workers >= 3 and sum(n > others and text not in said for n, text in lines[rank]) >= 2 else None
-
-
-def _own_number_masked(text: str, rank: int) -> str:
-    return re.sub(rf"(?<!\d){rank}(?!\d)", "#", text)

@@ -17,6 +17,7 @@ from logtriage.analysis.findings import Finding, mask_numbers
 from logtriage.analysis.hangs import EXIT_STALLED
 from logtriage.analysis.last_lines import at_work_alone, fell_behind_alone, last_worker_lines, went_on_alone
 from logtriage.analysis.odd_start import odd_line_out
+from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.refine import at_the_odd_step, stopped_while_waiting_rule
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.signal_readings import TEARDOWN_RULE
@@ -117,22 +118,15 @@ def stopped_in_startup(scan: ScanResult, keys: list[StreamKey], root: RootCause,
             "and the others waited for it",))
     _, by_rank = last_worker_lines(scan, keys, stop.source, stop.line)
     said = {r: text for r, (_, text) in by_rank.items()}
-    odd = (odd_line_out(said) or _odd_shape_out(said)) if len(by_rank) == workers else None
+    # (exactly, each number the same or the line's own rank; else numbers aside: `rank 2: tokenizer cache stale,
+    # re-tokenising the full split` against `rank N: 24 examples -> 46 windows`)
+    odd = (odd_line_out(said) or odd_one_out({r: mask_numbers(t).strip() for r, t in said.items()})
+           if len(by_rank) == workers else None)
     if not odd:   # (rank 0 alone saying something else is a program that logs more on rank 0)
         return hung
     return replace(hung, rank=odd, ranks=(odd,), reasons=hung.reasons + (
         f"every rank's last line before the stop is the same but rank {odd}'s (`{by_rank[odd][1][:120]}`): the "
         "others had gone on to the same point and waited there for it",))
-
-
-def _odd_shape_out(said: dict[int, str]) -> int | None:
-    """The one rank whose last line, numbers aside, is not the one all the others share (`rank 2: tokenizer
-    cache stale, re-tokenising the full split` against `rank N: 24 examples -> 46 windows`)."""
-    shapes: dict[str, list[int]] = {}
-    for rank, text in said.items():
-        shapes.setdefault(mask_numbers(text).strip(), []).append(rank)
-    alone = [ranks for ranks in shapes.values() if len(ranks) == 1]
-    return alone[0][0] if len(said) >= 3 and len(shapes) == 2 and len(alone) == 1 else None
 
 
 def stopped_before_all_stepped(scan: ScanResult, root: RootCause, findings: list[Finding], facts: RankFacts,
