@@ -5,6 +5,7 @@ that went on alone, fell behind alone, or was still at work after the others fel
 from __future__ import annotations
 
 from logtriage.analysis.findings import mask_numbers
+from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.stopped import message_of
 from logtriage.demux.line_marks import OWN_RANK, find_rank_marker
 from logtriage.demux.split import split_glued
@@ -96,6 +97,32 @@ def went_on_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int
         return None
     others = {step for r, step in steps.items() if r != went_on[0]}
     return went_on[0] if len(others) == 1 and steps[went_on[0]] <= min(others) else None
+
+
+def went_on_past_the_others(scan: ScanResult, keys: list[StreamKey], source: int, end: int,
+                            workers: frozenset[int]) -> int | None:
+    """The one rank other than 0 that printed the line every other rank ended on (numbers aside) and then
+    went on alone (`rank 2: writing reconstruction grid ...` after its `rank 2: eval PSNR ...`, where ranks 0
+    and 1 last said `eval PSNR`): the others had reached the next collective and waited there for it. (Rank 0
+    going on alone is a program that logs more on rank 0.)"""
+    said: dict[int, list[str]] = {}
+    last: dict[int, str] = {}
+    steps: dict[int, int] = {}
+    for rank, piece in ranked_pieces(scan, keys, source, end):
+        if piece.strip():
+            said.setdefault(rank, []).append(mask_numbers(piece).strip())
+            last[rank] = piece
+            if (step := step_number(piece)) is not None:
+                steps[rank] = step
+    if len(said) < 3 or said.keys() != workers:
+        return None
+    odd = odd_one_out({rank: texts[-1] for rank, texts in said.items()})
+    if not odd or step_number(last[odd]) is not None:   # (its own progress is no going on)
+        return None
+    if odd in steps and any(step < steps[odd] for rank, step in steps.items() if rank != odd):
+        return None     # (a step past another rank's: it did not leave the loop before them)
+    shared = next(texts[-1] for rank, texts in said.items() if rank != odd)
+    return odd if shared in said[odd][:-1] else None
 
 
 def fell_behind_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> int | None:

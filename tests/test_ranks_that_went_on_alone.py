@@ -1,0 +1,28 @@
+"""A hang stopped from outside where every rank's last line is one same message (numbers aside) but one
+rank's, which printed that message too and then went on alone: the others waited for it at the next
+collective. Real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the 210th-214th batches, each labelled before
+triage ran; the test names the run)."""
+
+from __future__ import annotations
+
+from sample_roots import edited_report, verdict_and_root
+
+
+def test_the_rank_that_went_on_past_the_line_all_ended_on_is_the_one_they_waited_for():
+    # ranks 0 and 1 end on `rank N: eval PSNR in ... dB -> out ... dB`; rank 2 printed that too, then `rank 2:
+    # writing reconstruction grid (32, 64) to .../recon_grid_rank2.pt`; `timeout` stops the job (213th batch)
+    assert verdict_and_root("dae_slowgrid_np3_r2_plain") == ("hung", "hang.stopped_while_waiting", "hang", 2)
+
+
+def test_a_rank_that_ended_on_the_shared_line_went_nowhere(tmp_path):
+    # the same run without rank 2's extra line: every rank ended on the same message, nothing names a rank
+    report = edited_report("dae_slowgrid_np3_r2_plain",
+                           "rank 2: writing reconstruction grid (32, 64) to /tmp/job_work/recon_grid_rank2.pt",
+                           "rank 2: eval PSNR in 12.72 dB -> out 9.28 dB", tmp_path)
+    assert report["verdict"] == "hung" and report["root_cause"]["rank"] is None
+
+
+def test_two_ranks_progress_glued_on_one_line_is_no_going_on():
+    # `rank 1 step 2 ... ntok 80rank 2 step 2 ... ntok 140` reads as rank 1's line, unlike the others'; but it
+    # is progress, not work of its own: every rank waits (a --rank -1 fault), no rank is named
+    assert verdict_and_root("vlen_bucketwait_np3_rall_hang") == ("hung", "hang.stopped_while_waiting", "hang", None)
