@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from logtriage.scan_result import ScanResult
 
 LOGGED_ERROR = "python.logged_error"
+EXIT_ON_THE_WAY_OUT = "signal.terminate_no_exception"
 LOSS_NAN = "numerical.loss_nan"   # `loss is nan, skipping step 2`: a step skipped, training goes on
 _BLOCK_KINDS_WITH_ONE_EVENT = frozenset({"traceback", "native", "cpp", "fault"})
 _RAISE_LINE = re.compile(r"^\s+raise\b")
@@ -122,10 +123,12 @@ def _logged_then_said(findings: list[Finding]) -> list[Finding]:
     record's own header (a formatter on every line): the error a rule reads in that traceback (a
     consequence too, in a rank's own stream: the record announced its lost peer) says what the record
     only announced;
-    the record yields to it."""
+    the record yields to it. Not to the C++ runtime's `terminate called without an active exception`: that is
+    how the process died on its way out after the record (`sys.exit` with a thread still running), no error of
+    its own."""
     logged = [f for f in findings if f.rule.id == LOGGED_ERROR and f.is_error]
     return _yield_to_below(findings, logged, LOGGED_RECORD_REACH,
-                           lambda g: g.rule.id != LOGGED_ERROR and not g.is_teardown and (
+                           lambda g: g.rule.id not in (LOGGED_ERROR, EXIT_ON_THE_WAY_OUT) and not g.is_teardown and (
                                g.role is not Role.CASCADE_CANDIDATE or g.stream.kind is StreamKind.RANK),
                            others_between=False)
 
