@@ -138,7 +138,14 @@ def test_a_scripts_own_line_that_starts_with_its_rank_names_it():
     assert find_rank_marker("rank 1 training finished") == 1
     assert find_rank_marker("rank 1 WARNING metrics uploader: step 4 not uploaded, continuing") == 1
     assert find_rank_marker("rank 3 ERROR step 4: checkpoint writer failed, stopping") == 3
-    assert find_rank_marker("rank 2 trainers joined") is None
+    # any word after it, not only progress words (`rank 2 task 0 step 3`, `rank 1 of 4 ready`: hnet and capsn
+    # batches under a hand-made loop), but not one that links it to more
+    assert find_rank_marker("rank 2 task 0 step 3 loss 0.2275 wnorm 2.306") == 2
+    assert find_rank_marker("rank 2 re-evaluating all earlier tasks before reducing task 0 loss") == 2
+    assert find_rank_marker("rank 1 of 4 ready (DistributedType.MULTI_CPU)") == 1
+    assert find_rank_marker("rank 0 and rank 1 disagree on the vocabulary") is None
+    assert find_rank_marker("rank 2 to rank 3: 4 tensors") is None
+    assert find_rank_marker("rank 2 42 tensors") is None
 
 
 def test_a_chinese_codebases_labels_are_read():

@@ -26,3 +26,21 @@ def test_two_ranks_progress_glued_on_one_line_is_no_going_on():
     # `rank 1 step 2 ... ntok 80rank 2 step 2 ... ntok 140` reads as rank 1's line, unlike the others'; but it
     # is progress, not work of its own: every rank waits (a --rank -1 fault), no rank is named
     assert verdict_and_root("vlen_bucketwait_np3_rall_hang") == ("hung", "hang.stopped_while_waiting", "hang", None)
+
+
+def test_the_rank_that_reached_the_others_step_and_then_said_what_none_said_is_the_one_they_waited_for():
+    # every rank at step 5; ranks 0 and 1 then `rank N preview next event: note_on 48`, rank 2 `preview next event:
+    # time_shift 16` and then `rank 2: rendering preview sample (4096 events) to ...`; `timeout` stops it (210th)
+    assert verdict_and_root("midi_render_np3_r2_plain") == ("hung", "hang.stopped_while_waiting", "hang", 2)
+
+
+def test_under_a_hand_made_loop_a_line_led_by_its_rank_and_any_word_is_that_ranks():
+    # bare `python` per rank, no prefixes: `rank 2 task 0 step 3 ...`, then `rank 2 re-evaluating all earlier tasks
+    # before reducing task 0 loss` while ranks 0 and 1 end on their step 3; the output stops (218th batch)
+    assert verdict_and_root("hnet_slowreg_np3_r2_bashloop") == ("hung", "hang.output_stopped", "hang", 2)
+
+
+def test_late_start_up_lines_every_rank_printed_are_no_work_of_the_late_rank():
+    # rank 1 prints `rank 1/4 pid 11272 ...` and its calibration line after the others, the same lines with other
+    # numbers; rank 3 alone never prints its calibration line: the others waited for it
+    assert verdict_and_root("qat_pctlhang_np4_r3_timeout") == ("hung", "hang.stopped_while_waiting", "hang", 3)

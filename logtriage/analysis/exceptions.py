@@ -49,8 +49,12 @@ _MODEL_OUTPUTS = r"logits|features|embeddings"
 # 195th, 197th and 209th batches)
 _DATA_FOLDERS = (r"/(?:clips|series|audio|wavs?|signals?|frames|videos?|corpus|captions|labels|masks|annotations|"
                  r"images|imgs|styles|ratings|interactions)(?:[_-]\w+)?/")
+# one indexed piece of a data set saved with torch.save (`flows_v2/flow_1.pt`, `scans_v2/shard_003.pt`: cpu_adhoc
+# 210th-224th batches), its name no word of a checkpoint's (`rank3.pt`, `step_12.pt`, `ema_step0150.pt` are one)
+_INDEXED_PIECE = (r"/(?![^/']*(?:rank|step|epoch|iter|ckpt|checkpoint|model|snap|ema|optim|state|weight|net|best|last|"
+                  r"final|init))[A-Za-z]+[_-]?\d+\.pth?(?=')")
 _DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:/data[\w.-]*/|/shards?/|" + _MODEL_OUTPUTS + "|"
-                        + _DATA_FOLDERS + "|"
+                        + _DATA_FOLDERS + "|" + _INDEXED_PIECE + "|"
                         r"tokeni[sz]ed|tokens[/_.]|partitions?[/_.]|/part_\d+\.|/shard[_-]\d+\.|"
                         r"(?:case|sample|volume|image|record)s?_\d+[_.]|replay[_.-]|"
                         r"/(?:train|val|valid|test|eval)[_.-]\d+(?:-of-\d+)?\.)[^']*'",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from logtriage.analysis.findings import mask_numbers
 from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.stopped import message_of
-from logtriage.demux.line_marks import OWN_RANK, find_rank_marker
+from logtriage.demux.line_marks import find_rank_marker
 from logtriage.demux.split import split_glued
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.ingest.lines import read_lines
@@ -103,8 +103,9 @@ def went_on_past_the_others(scan: ScanResult, keys: list[StreamKey], source: int
                             workers: frozenset[int]) -> int | None:
     """The one rank other than 0 that printed the line every other rank ended on (numbers aside) and then
     went on alone (`rank 2: writing reconstruction grid ...` after its `rank 2: eval PSNR ...`, where ranks 0
-    and 1 last said `eval PSNR`): the others had reached the next collective and waited there for it. (Rank 0
-    going on alone is a program that logs more on rank 0.)"""
+    and 1 last said `eval PSNR`), or that reached the step they all last reached and then said what no other
+    rank said: the others had reached the next collective and waited there for it. (Rank 0 going on alone is a
+    program that logs more on rank 0.)"""
     said: dict[int, list[str]] = {}
     last: dict[int, str] = {}
     steps: dict[int, int] = {}
@@ -122,7 +123,13 @@ def went_on_past_the_others(scan: ScanResult, keys: list[StreamKey], source: int
     if odd in steps and any(step < steps[odd] for rank, step in steps.items() if rank != odd):
         return None     # (a step past another rank's: it did not leave the loop before them)
     shared = next(texts[-1] for rank, texts in said.items() if rank != odd)
-    return odd if shared in said[odd][:-1] else None
+    if shared in said[odd][:-1]:
+        return odd
+    # (or it reached the last step every other rank reached, and its last line is one no other rank printed:
+    # `rank 2: rendering preview sample ...` after its step 5, the others' `preview next event: note_on 48`)
+    others = {step for rank, step in steps.items() if rank != odd}
+    alone = not any(said[odd][-1] in texts for rank, texts in said.items() if rank != odd)
+    return odd if alone and len(others) == 1 and steps.get(odd) in others else None
 
 
 def fell_behind_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> int | None:
@@ -142,13 +149,15 @@ def at_work_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int
     did after every other rank fell silent (`rank 2: recomputing the teacher logits`, `teacher logits 32/96`), or,
     of `workers` processes, the one rank other than 0 that printed anything at all (`rank 2: loading warm-start
     tables ...`): the silent ranks waited for it. (Rank 0 alone speaking is a program that logs on rank 0 only.)
-    A line every other rank printed too (the same warning from DDP's constructor, late) is no work of its own."""
+    Two lines or more after the others fell silent, one at least that no other rank printed, numbers aside: a late
+    start-up line every rank printed (DDP's warning, `rank 1/4 pid 11272 ...` as the others' `rank N/4 pid ...`)
+    is no work of its own."""
     last: dict[int, int] = {}
     lines: dict[int, list[tuple[int, str]]] = {}
     for number, _, rank, piece in pieces_before(scan, keys, source, end):
         if rank is not None and piece.strip():
             last[rank] = number
-            lines.setdefault(rank, []).append((number, OWN_RANK.sub("rank #", piece.strip())))
+            lines.setdefault(rank, []).append((number, mask_numbers(piece).strip()))
     if not last:
         return None
     rank = max(last, key=last.get)
@@ -156,4 +165,5 @@ def at_work_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int
         return rank if rank != 0 and workers >= 2 else None
     others = max(n for r, n in last.items() if r != rank)
     said = {text for r, texts in lines.items() if r != rank for _, text in texts}
-    return rank if workers >= 3 and sum(n > others and text not in said for n, text in lines[rank]) >= 2 else None
+    late = [text for n, text in lines[rank] if n > others]
+    return rank if workers >= 3 and len(late) >= 2 and any(text not in said for text in late) else None

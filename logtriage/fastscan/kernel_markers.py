@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from logtriage.demux.line_marks import PROGRESS_WORDS
+from logtriage.demux.line_marks import LINKING_WORDS
 from logtriage.fastscan.kernel_prefixes import is_digit, global_before, lower, number, skip_spaces, spaces_before
 
 MARKER_HEAD = 120           # find_rank_marker looks at text[:120]
@@ -47,7 +47,7 @@ def marker(buf, c, end, found):
     (case-insensitive), trying its three patterns in order:
     1. `[ *(global[_ ])?rank *[:=#]? *(\\d{1,9}) *(/ *\\d+ *)?]`
     2. `(^|[ ,(|])(global_)?rank *[=:] *(\\d{1,9})\\b`
-    3. `^ *rank *(\\d{1,9})( */ *\\d+)?( *[:|\\]]| +(step|epoch|...|finished|training|...|started)\\b)` (line_marks.py's list)
+    3. `^ *rank *(\\d{1,9})( */ *\\d+)?( *[:|\\]]| +(?!(and|or|...)\\b)[a-z])` (line_marks.py's LINKING_WORDS)
     (and the last ones: `(rank N)`, `> rank N` read here; `] rank N: `, `ERROR rank N: ` left to the exact path)
     Returns the rank, -1 for none, or -2 where only the exact path can tell."""
     head_end = min(end, c + MARKER_HEAD)
@@ -186,19 +186,20 @@ def _word_at(buf, k, head_end, word):
     return 0 if _is_word(buf[k + n]) else 1
 
 
-_PROGRESS_WORDS = tuple(np.frombuffer(w.encode(), dtype=np.uint8) for w in PROGRESS_WORDS)
+_LINKING_WORDS = tuple(np.frombuffer(w.encode(), dtype=np.uint8) for w in LINKING_WORDS)
 
 
 @njit(cache=True, nogil=True)
 def _progress_word_at(buf, k, head_end, value):
-    """Pattern 3's second branch: a progress word after `rank N ` (a script's own print)."""
-    for word in _PROGRESS_WORDS:
+    """Pattern 3's second branch: a word after `rank N ` (a script's own print), not a linking one."""
+    for word in _LINKING_WORDS:
         hit = _word_at(buf, k, head_end, word)
         if hit == 1:
-            return value
+            return -1
         if hit == -2:
             return -2
-    return -1
+    c = buf[k] | 32
+    return value if 97 <= c <= 122 else -1
 
 
 @njit(cache=True, nogil=True)

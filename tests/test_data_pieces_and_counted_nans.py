@@ -1,0 +1,34 @@
+"""A missing file torch.load was given that is one indexed piece of a data set (`flows_v2/flow_1.pt`), not a
+checkpoint; and a script's own check that counts the NaN values it found, raised as a ValueError. Real CPU runs
+of torch 2.13 (sample_logs/cpu_adhoc, the 222nd and 223rd batches, each labelled before triage ran)."""
+
+from __future__ import annotations
+
+import pytest
+
+from logtriage.analysis.exceptions import _DATA_FILE
+from sample_roots import root_facts
+
+
+def test_an_indexed_piece_of_data_torch_load_misses_is_a_missing_file():
+    # `FileNotFoundError: ... '/tmp/job_work/flows_v2/flow_1.pt'` under torch.load on rank 1
+    assert root_facts("oflow_noflow_np3_r1_tee")[:3] == ("python.file_not_found", "python_exception", 1)
+
+
+@pytest.mark.parametrize(("path", "data"), [
+    ("/tmp/job_work/flows_v2/flow_1.pt", True),
+    ("/tmp/job_work/scans_v2/shard_003.pt", True),
+    ("/tmp/job/ckpt/step-0003/rank3.pt", False),
+    ("/tmp/job_work/del1/step_12.pt", False),
+    ("/tmp/f50_ckpt/rank17/ema_step0150.pt", False),
+    ("/tmp/job_work/best_ep0.pt", False),
+    ("rng_state_3.pth", False),
+    ("/tmp/job_work/netG_10.pth", False),
+])
+def test_a_piece_is_told_from_a_checkpoint_by_its_name(path, data):
+    assert (_DATA_FILE.search(f"No such file or directory: '{path}'") is not None) is data
+
+
+def test_a_scripts_count_of_nan_values_is_numerical():
+    # `ValueError: negative-sampling distribution has 64 NaN probabilities (popularity sum 0.0)` on rank 2
+    assert root_facts("sess_negzero_np3_r2_prefix")[:3] == ("numerical.nonfinite_value", "numerical", 2)
