@@ -72,7 +72,7 @@ def test_a_pickled_model_whose_class_lived_in_another_scripts_main_is_a_checkpoi
 def test_a_rank_with_its_world_size_starts_a_scripts_own_line():
     assert find_rank_marker("rank 1/4: reading config /tmp/job_work/conf/rank1.json") == 1
     assert find_rank_marker("rank 12 / 16 step 3 loss 0.4") == 12
-    assert find_rank_marker("rank 1/4 of the queue is empty") is None
+    assert find_rank_marker("rank 1/4 and rank 2/4 disagree on the vocabulary") is None
 
 
 def test_the_c_runtimes_abort_under_the_same_tee_prefix_does_not_continue_the_exceptions_message(tmp_path):

@@ -183,10 +183,10 @@ def test_a_scripts_own_progress_print_that_starts_with_its_rank_is_that_ranks(tm
                    "Rank 3 epoch 2 done\n"
                    "rank 2 iteration 7\n"
                    "rank 1: loading data\n"
-                   "rank 0 is the master\n"          # no progress word: not a marker
-                   "rank 5 steps ahead\n")           # `steps` is not `step`
+                   "rank 0 is the master\n"          # `is`: a report another rank could make, not a marker
+                   "rank 5 steps ahead\n")           # any other word: the line is rank 5's own
     run = run_triage([str(log)])
-    assert [_stream_of(run, n).rank_or_none for n in range(1, 7)] == [4, 3, 2, 1, None, None]
+    assert [_stream_of(run, n).rank_or_none for n in range(1, 7)] == [4, 3, 2, 1, None, 5]
     assert run.diagnosis.streams and {s.key.rank: s.last_step for s in run.diagnosis.streams
                                       if s.key.rank is not None}[4] == 1
 

@@ -14,7 +14,7 @@ from logtriage.fastscan import kernel_markers, kernel_prefixes
 PIECES = ["rank", "Rank", "RANK", "global_", "global ", "Global", "[", "]", ":", "=", "#", "|", ",",
           "(", ")", ">", "/", " ", "  ", "0", "7", "12", "123456789", "1234567890", "123456789012", "1234567890123", "x", "step 3", "]:", "default",
           " step", " done", "iter", "ation", "Loss", "é", "…", "_", "per", " per ", "Per", "super", " and", " To",
-          " task", " re-", "or", " vs", "With", " 9x"]
+          " task", " re-", "or", " vs", "With", " 9x", " failed", " IS", " hung"]
 texts = st.lists(st.sampled_from(PIECES), max_size=8).map("".join)
 # Prefix-shaped text: `[` word digits `]` separator rest, where the word and digit counts straddle
 # the limits the readers enforce (12 digits for `[rankN]:`, 7 for a tee role, 9 for a marker).

@@ -167,3 +167,9 @@ def test_a_missing_training_shard_is_data():
     # torch.load of `.../shards/train_00004.pt`
     rc = root_cause("vit_noshard_np5_r4_tee")
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.file_not_found", "python_exception", 4)
+
+
+def test_a_restart_whose_one_worker_timed_out_before_any_progress_failed_of_the_first_attempts_signal():
+    # attempt 0: rank 1 dies of SIGBUS (`failed (exitcode: -7) local_rank: 1`, no line of its own); attempt 1: rank 1
+    # prints its start-up line and times out in its first barrier, the others never back (226th batch)
+    assert root_facts("wxg_sigbus_np3_r1_restart")[:3] == ("signal.sigbus", "crash_signal", 1)

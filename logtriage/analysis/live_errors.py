@@ -76,7 +76,10 @@ def _final_attempt(live: list[Finding], facts: RankFacts) -> list[Finding]:
         return live
     mine = [f for f in own if f.stream.attempt == last]
     begun = min(f.seq for f in mine)
-    progressed = _progressed_since(facts, [f for f in own if f.stream.attempt < last])
+    # (the earlier attempt's end: its ranks' errors and the agent's report of the worker it lost, `failed
+    # (exitcode: -7) local_rank: 1`, which is where it ended when no rank's own line says why)
+    progressed = _progressed_since(facts, [f for f in own if f.stream.attempt < last]
+                                   + [f for f in live if f.stream.kind is StreamKind.LAUNCHER and f.seq < begun])
     if all(f.category is Category.COLLECTIVE_TIMEOUT and (f.last_frame in DDP_CONSTRUCTION_FRAMES or not progressed)
            for f in mine):
         dropped = {id(f) for f in mine}

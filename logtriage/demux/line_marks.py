@@ -17,8 +17,10 @@ _STAMP = (r"^\s*\[?(?:(?:\d{4}-\d\d-\d\d[ T_])?\d\d:\d\d:\d\d(?:[.,]\d{1,9})?(?:
 _LEVELS = "INFO|WARNING|WARN|ERROR|DEBUG|CRITICAL|FATAL"
 # a script's leading `rank N` and a word makes the line that rank's own (`rank 2 task 0 step 3 ...`, `rank 1 of 4
 # ready`, `rank 2 re-evaluating all earlier tasks`), unless the word links it to more (`rank 0 and rank 1 ...`,
-# `rank 2 to rank 3: ...`); the fast kernel reads the same
-LINKING_WORDS = ("and", "or", "to", "vs", "versus", "than", "with")
+# `rank 2 to rank 3: ...`) or reports on it as another rank could (`rank 5 failed to pass the barrier`, `rank 3 is
+# missing`, `rank 2 timed out`); the fast kernel reads the same
+NOT_OWN_WORDS = ("and", "or", "to", "vs", "versus", "than", "with", "failed", "timed", "did", "is", "was", "has",
+                 "had", "not", "never", "died", "crashed", "exited", "hung", "stalled", "lost", "missing")
 # a script's own words naming its rank (`rank 3 ...`, `[rank 3] ...`, `RANK=3`, `rank_3`): where a line starts with
 # it (.match), that rank wrote the line; found anywhere (.finditer), two ranks' lines glued into one split there
 OWN_RANK = re.compile(r"\[?\b(?:rank|RANK|Rank)[ =:_]*(\d{1,6})\b")
@@ -30,7 +32,7 @@ _RANK_MARKERS = (
     # and a script's own progress print or record that starts with its rank (`rank 3 step 12 loss 0.41`,
     # `rank 1 training finished`, `rank 1 WARNING uploader failed`, `rank 1/4: reading config`, `rank 2 trial 1
     # lr 0.1 step 1`, `rank 3 stage 1 sent`, `rank 0 config {...}`, `rank 2 resuming from ...`)
-    re.compile(r"^\s*rank\s*(\d{1,9})(?:\s*/\s*\d+)?(?:\s*[:|\]]|\s+(?!(?:" + "|".join(LINKING_WORDS) + r")\b)[a-z])",
+    re.compile(r"^\s*rank\s*(\d{1,9})(?:\s*/\s*\d+)?(?:\s*[:|\]]|\s+(?!(?:" + "|".join(NOT_OWN_WORDS) + r")\b)[a-z])",
                re.IGNORECASE | re.ASCII),
     # a logger's `(rank 2) message` and Megatron-style `> rank 2 ...` at the start of the message
     re.compile(r"^ *\( *rank *(\d{1,9}) *\)", re.IGNORECASE | re.ASCII),

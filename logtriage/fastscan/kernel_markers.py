@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from logtriage.demux.line_marks import LINKING_WORDS
+from logtriage.demux.line_marks import NOT_OWN_WORDS
 from logtriage.fastscan.kernel_prefixes import is_digit, global_before, lower, number, skip_spaces, spaces_before
 
 MARKER_HEAD = 120           # find_rank_marker looks at text[:120]
@@ -47,7 +47,7 @@ def marker(buf, c, end, found):
     (case-insensitive), trying its three patterns in order:
     1. `[ *(global[_ ])?rank *[:=#]? *(\\d{1,9}) *(/ *\\d+ *)?]`
     2. `(^|[ ,(|])(global_)?rank *[=:] *(\\d{1,9})\\b`
-    3. `^ *rank *(\\d{1,9})( */ *\\d+)?( *[:|\\]]| +(?!(and|or|...)\\b)[a-z])` (line_marks.py's LINKING_WORDS)
+    3. `^ *rank *(\\d{1,9})( */ *\\d+)?( *[:|\\]]| +(?!(and|or|failed|...)\\b)[a-z])` (line_marks.py's NOT_OWN_WORDS)
     (and the last ones: `(rank N)`, `> rank N` read here; `] rank N: `, `ERROR rank N: ` left to the exact path)
     Returns the rank, -1 for none, or -2 where only the exact path can tell."""
     head_end = min(end, c + MARKER_HEAD)
@@ -186,13 +186,13 @@ def _word_at(buf, k, head_end, word):
     return 0 if _is_word(buf[k + n]) else 1
 
 
-_LINKING_WORDS = tuple(np.frombuffer(w.encode(), dtype=np.uint8) for w in LINKING_WORDS)
+_NOT_OWN_WORDS = tuple(np.frombuffer(w.encode(), dtype=np.uint8) for w in NOT_OWN_WORDS)
 
 
 @njit(cache=True, nogil=True)
 def _progress_word_at(buf, k, head_end, value):
-    """Pattern 3's second branch: a word after `rank N ` (a script's own print), not a linking one."""
-    for word in _LINKING_WORDS:
+    """Pattern 3's second branch: a word after `rank N ` (a script's own print), not one of NOT_OWN_WORDS."""
+    for word in _NOT_OWN_WORDS:
         hit = _word_at(buf, k, head_end, word)
         if hit == 1:
             return -1
