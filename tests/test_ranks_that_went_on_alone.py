@@ -44,3 +44,17 @@ def test_late_start_up_lines_every_rank_printed_are_no_work_of_the_late_rank():
     # rank 1 prints `rank 1/4 pid 11272 ...` and its calibration line after the others, the same lines with other
     # numbers; rank 3 alone never prints its calibration line: the others waited for it
     assert verdict_and_root("qat_pctlhang_np4_r3_timeout") == ("hung", "hang.stopped_while_waiting", "hang", 3)
+
+
+def test_output_that_stops_names_the_rank_that_went_on_past_the_line_the_others_ended_on():
+    # a hand-made loop with `[rank N]` labels: every rank's `rank N: loaded .../sakt_init_e120.pt`, then rank 2's
+    # `rank 2: rebuilding the interaction history of all 48 students ...`; no step, no stop line (230th batch)
+    assert verdict_and_root("ktrace_slowhist_np4_r2_ranklabel") == ("hung", "hang.output_stopped", "hang", 2)
+    # two agents behind pdsh-style host labels: rank 2's `filterbank cache stale, recomputing` (stop 44's known miss)
+    assert verdict_and_root("wav_slowcache_np4_r2_pdsh2") == ("hung", "hang.output_stopped", "hang", 2)
+
+
+def test_a_last_line_that_opens_as_the_others_do_is_no_going_on():
+    # a clean run: ranks 0 and 1 end on `preview next event: note_on 48`, rank 2 on `... time_shift 16`: the same
+    # message with another value, so no rank is named where the output stops (the verdict is a known miss)
+    assert verdict_and_root("midi_none_np3_rnone_plain")[3] is None

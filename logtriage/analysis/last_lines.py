@@ -128,8 +128,13 @@ def went_on_past_the_others(scan: ScanResult, keys: list[StreamKey], source: int
     # (or it reached the last step every other rank reached, and its last line is one no other rank printed:
     # `rank 2: rendering preview sample ...` after its step 5, the others' `preview next event: note_on 48`)
     others = {step for rank, step in steps.items() if rank != odd}
-    alone = not any(said[odd][-1] in texts for rank, texts in said.items() if rank != odd)
+    opening = _opening(said[odd][-1])   # (by its first words: `preview next event: time_shift #` is the others' line)
+    alone = not any(_opening(text) == opening for rank, texts in said.items() if rank != odd for text in texts)
     return odd if alone and len(others) == 1 and steps.get(odd) in others else None
+
+
+def _opening(text: str) -> str:
+    return " ".join(text.split()[:3])
 
 
 def fell_behind_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> int | None:
