@@ -118,7 +118,7 @@ def went_on_past_the_others(scan: ScanResult, keys: list[StreamKey], source: int
     if len(said) < 3 or said.keys() != workers:
         return None
     odd = odd_one_out({rank: texts[-1] for rank, texts in said.items()})
-    if not odd or step_number(last[odd]) is not None:   # (its own progress is no going on)
+    if odd is None or odd == 0 or step_number(last[odd]) is not None:   # (its own progress is no going on)
         return None
     if odd in steps and any(step < steps[odd] for rank, step in steps.items() if rank != odd):
         return None     # (a step past another rank's: it did not leave the loop before them)

@@ -102,7 +102,7 @@ def late_rank_went_on(scan: ScanResult, keys: list[StreamKey], root: RootCause, 
         _, by_rank = last_worker_lines(scan, keys, source, end)
         rank = odd_line_out({r: text for r, (_, text) in by_rank.items()})
     elif rank is None:   # (`rank 2: rebuilding the interaction history ...` after its `loaded ...`, the others' last)
-        workers = frozenset(k.rank for k in keys if k.kind is StreamKind.RANK and k.rank is not None and k.rank >= 0)
+        workers = frozenset(k.rank for k in keys if k.kind is StreamKind.RANK and k.rank >= 0)   # (-1: no known rank)
         rank = went_on_past_the_others(scan, keys, source, end, workers)
     if rank is None or (not timeout and rank == 0) or (timeout and any(
             f.rank == rank and f.category is Category.COLLECTIVE_TIMEOUT for f in findings if f.is_error)):

@@ -179,7 +179,7 @@ def stopped_after_one_went_on(scan: ScanResult, keys: list[StreamKey], root: Roo
         return replace(root, rule=stopped_while_waiting_rule(catalog), rank=past, ranks=(past,),
                        confidence=min(root.confidence, 0.35), reasons=root.reasons + (
             f"no error, {ran:.0f} s from the job's start to the stop, and every rank's last line before it is one "
-            f"same message but rank {past}'s, which printed that message too and then went on alone: the others "
+            f"same message but rank {past}'s, which reached that point too and then went on alone: the others "
             "waited for it, and the stop ended the wait",))
     if behind is not None:
         return replace(root, rule=stopped_while_waiting_rule(catalog), rank=behind, ranks=(behind,),

@@ -77,7 +77,7 @@ def marker(buf, c, end, found):
             if k < head_end and (buf[k] == 58 or buf[k] == 124 or buf[k] == 93):
                 return value
             if k > after:
-                hit = _progress_word_at(buf, k, head_end, value)
+                hit = _own_word_at(buf, k, head_end, value)
                 if hit != -1:
                     return hit
     value = _opening_marker(buf, c, head_end)
@@ -190,7 +190,7 @@ _NOT_OWN_WORDS = tuple(np.frombuffer(w.encode(), dtype=np.uint8) for w in NOT_OW
 
 
 @njit(cache=True, nogil=True)
-def _progress_word_at(buf, k, head_end, value):
+def _own_word_at(buf, k, head_end, value):
     """Pattern 3's second branch: a word after `rank N ` (a script's own print), not one of NOT_OWN_WORDS."""
     for word in _NOT_OWN_WORDS:
         hit = _word_at(buf, k, head_end, word)
