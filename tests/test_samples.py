@@ -52,10 +52,12 @@ def test_sample_diagnosis(case):
 
 # Labels that name another rule than the catalog's for the same failure (each console case says so in its
 # known_miss): a loss's own finite check is numerical.loss_nan's; a missing data file saved with torch.save is
-# python.file_not_found's, and one under a rank's cache folder (`mask_cache/mask_r3.npy`) data.file_not_found's.
+# python.file_not_found's, and one under a rank's cache folder (`mask_cache/mask_r3.npy`) data.file_not_found's;
+# a FileNotFoundError a label gives the generic python.exception is python.file_not_found's.
 RULE_CONVENTIONS = frozenset({("numerical.checked_nonfinite", "numerical.loss_nan"),
                               ("data.file_not_found", "python.file_not_found"),
-                              ("python.file_not_found", "data.file_not_found")})
+                              ("python.file_not_found", "data.file_not_found"),
+                              ("python.exception", "python.file_not_found")})
 
 
 # The folder holds only what the ranks wrote: a signal or a bare exit code is known from the
