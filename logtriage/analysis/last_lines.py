@@ -156,7 +156,8 @@ def at_work_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int
     tables ...`): the silent ranks waited for it. (Rank 0 alone speaking is a program that logs on rank 0 only.)
     Two lines or more after the others fell silent, one at least that no other rank printed, numbers aside: a late
     start-up line every rank printed (DDP's warning, `rank 1/4 pid 11272 ...` as the others' `rank N/4 pid ...`)
-    is no work of its own."""
+    is no work of its own, and rank 0's lines of its own on its way to the last line every rank printed, numbers
+    aside, are a program that logs more on rank 0."""
     last: dict[int, int] = {}
     lines: dict[int, list[tuple[int, str]]] = {}
     for number, _, rank, piece in pieces_before(scan, keys, source, end):
@@ -168,6 +169,8 @@ def at_work_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int
     rank = max(last, key=last.get)
     if len(last) == 1:
         return rank if rank != 0 and workers >= 2 else None
+    if rank == 0 and len({texts[-1][1] for texts in lines.values()}) == 1:
+        return None     # (rank 0 logging more on its way to the point where every rank's last line is the same)
     others = max(n for r, n in last.items() if r != rank)
     said = {text for r, texts in lines.items() if r != rank for _, text in texts}
     late = [text for n, text in lines[rank] if n > others]

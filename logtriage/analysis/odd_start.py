@@ -55,6 +55,8 @@ def odd_start_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause, fac
         return _last_line_out(scan, keys, root, facts) if root.rule.id == SIZE_RULE else root
     compared = {who: lines[0] for who, lines in said.items()}
     rank = odd_one_out(compared)
+    if rank == 0 and _said_more_first(said):
+        rank = None
     if rank is None and len(set(compared.values())) == 1 and root.rule.id == SIZE_RULE:
         # every rank's first line alike: the one rank that said more, or other, before its first step
         # (`rank 0: DEBUG_ACT_HIST=1, registered act_hist buffer`) set up a message of its own size
@@ -145,6 +147,14 @@ def _start_lines(scan: ScanResult, keys: list[StreamKey]) -> dict[int, list[str]
 
 
 _NUMBER = re.compile(r"(\d+)")
+
+
+def _said_more_first(said: dict[int, list[str]]) -> bool:
+    """Rank 0's first line is one of its own (`rank 0 wrote 128 HR patches to /tmp/sr`), and then it said what
+    every other rank said first (`rank # train 32 patches 24x24`): it prepared something for all of them before
+    it started as they did, which is a program's rank-0 work, not a rank set up its own way."""
+    first = {_NUMBER.sub("#", lines[0]) for rank, lines in said.items() if rank != 0}
+    return len(first) == 1 and next(iter(first)) in {_NUMBER.sub("#", line) for line in said[0][1:]}
 
 
 def _remainder_share(said: dict[int, str], rank: int) -> bool:

@@ -21,7 +21,7 @@ from logtriage.demux.line_marks import OWN_RANK, find_rank_marker
 from logtriage.demux.prefixes import Dialect, strip_prefixes
 from logtriage.demux.streams import StreamKey
 from logtriage.ingest.lines import read_lines
-from logtriage.scan_result import STEP, ScanResult
+from logtriage.scan_result import STEP, ScanResult, step_number
 
 TailLine = tuple[int, int, str]      # (source, line number, text as read back)
 TAIL_LINES = 40
@@ -52,7 +52,7 @@ def output_stopped(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]
     the run finished."""
     last = next((line for line in reversed(_without_environment_report(tail))
                  if _JOB_OUTPUT.search(line[2]) and not reporters_words(line[2])), None)
-    if last is None or _every_rank_signed_off(scan, keys, tail, facts):
+    if last is None or _every_rank_signed_off(scan, keys, tail, facts) or _saved_its_result(scan, keys, tail):
         return None
     number = last[1]
     rule = catalog.get("hang.output_stopped") or fallback_rule(
@@ -86,17 +86,58 @@ _SUMMED_UP = re.compile(r"^(?!.*\b(?:error|fail\w*|warn\w*|wait\w*|timed? ?out)\
 PDSH_HOST = re.compile(r"^[\w.-]+: (?=\S)")
 
 
+def _rank_of(scan: ScanResult, keys: list[StreamKey], source: int, number: int, message: str) -> int | None:
+    """The rank a line read back from the log's end belongs to: the script's own `rank N ...` at its start,
+    a rank marker in it, else the stream the demuxer gave it."""
+    own = OWN_RANK.match(message) or OWN_RANK.match(PDSH_HOST.sub("", message, count=1))
+    rank = int(own.group(1)) if own else find_rank_marker(message)
+    if rank is None and number - 1 < len(scan.indexes[source].slots):
+        rank = keys[scan.slots.final(scan.indexes[source].slots[number - 1])].rank_or_none
+    return rank
+
+
+# a program's own word that it saved its result to a file (`saved denoiser to /tmp/job/dae_final.pt`, `rank 0:
+# saved ckpt/gru.pt`, `exported top-10 to out/topk.pt`); not a framework's record that names its own source
+# (`[engine.py:1818:_save_zero_checkpoint] zero checkpoint saved ...`, a save at each interval of a run that
+# goes on), nor a save at a step or epoch (`saved ckpt_step200.pt`)
+_SAVED = re.compile(r"\b(?:saved|exported)\b(?!.*(?<![a-z0-9])(?:step|epoch|iter(?:ation)?)s?[\s_=:-]*\d).*?"
+                    r"(?:[\w.-]*/[\w./-]*\w|\b[\w-]+\.(?:pt|pth|bin|ckpt|safetensors|npy|npz|pkl|onnx|h5|json|csv))",
+                    re.IGNORECASE)
+_SOURCE_TAG = re.compile(r"\b\w+\.py:\d+\b")
+
+
+def _saved_its_result(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]) -> bool:
+    """The log's end holds, after progress lines, a rank's line that it saved its result to a file, that
+    rank said nothing after it, and no other rank printed a step after it past the last step printed
+    before it: the program wrote what it trained and ended (a launcher at its default log level prints
+    nothing on success). The other ranks' lines after it are their own last steps or results, flushed late."""
+    before = -1
+    for at, (source, number, text) in enumerate(tail):
+        message = message_of(text)
+        step = step_number(message)
+        if not _SAVED.search(message) or _SOURCE_TAG.search(text):
+            before = max(before, step if step is not None else -1)
+            continue
+        rank = _rank_of(scan, keys, source, number, message)
+        after = [(s, n, message_of(t)) for s, n, t in tail[at + 1:] if s == source]
+        if before >= 0 and all(_rank_of(scan, keys, s, n, m) not in (rank, None)
+                               and _at_most(step_number(m), before) for s, n, m in after if m):
+            return True
+        before = max(before, step if step is not None else -1)
+    return False
+
+
+def _at_most(step: int | None, last: int) -> bool:
+    return step is None or step <= last
+
+
 def _every_rank_signed_off(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine], facts: RankFacts) -> bool:
     """Every known rank's last line in the log's end says it is done, or sums the run up after a line
     that did: each rank finished its script (and the launcher, at its default log level, prints nothing on success)."""
     signed: dict[int, bool] = {}
     for source, number, text in tail:
         message = message_of(text)
-        # the script's own `rank N ...` at the line's start
-        own = OWN_RANK.match(message) or OWN_RANK.match(PDSH_HOST.sub("", message, count=1))
-        rank = int(own.group(1)) if own else find_rank_marker(message)
-        if rank is None and number - 1 < len(scan.indexes[source].slots):
-            rank = keys[scan.slots.final(scan.indexes[source].slots[number - 1])].rank_or_none
+        rank = _rank_of(scan, keys, source, number, message)
         if rank is not None:
             # a sum-up after the word (`done`, then `final val_loss 0.22`) keeps the rank signed off
             signed[rank] = bool(_SIGNED_OFF.search(message)) or (
