@@ -24,6 +24,12 @@ def test_an_indexed_piece_of_data_torch_load_misses_is_a_missing_file():
     ("/tmp/job_work/best_ep0.pt", False),
     ("rng_state_3.pth", False),
     ("/tmp/job_work/netG_10.pth", False),
+    # words joined before the number (243rd batch), a relative data folder (244th); a version is no index
+    ("/tmp/job_work/sessions/clicks_part2.pt", True),
+    ("data/conf_train_dedup_r2.pt", True),
+    ("/tmp/job_work/hub/pretrained_v2.pt", False),
+    ("/tmp/job_work/sessions/model_part2.pt", False),
+    ("/tmp/job_work/metadata/ckpt_r2.pt", False),
 ])
 def test_a_piece_is_told_from_a_checkpoint_by_its_name(path, data):
     assert (_DATA_FILE.search(f"No such file or directory: '{path}'") is not None) is data

@@ -39,7 +39,8 @@ _CHECKPOINT_PATH = re.compile(r"'[^']*(?:checkpoint|ckpt)[^']*'|'[^']*\.(?:pt|pt
 _COPY_COMMAND = re.compile(r"Command '\[?'?(?:\S*/)?(?:tar|cp|rsync|mv|zip|gzip|pigz|zstd|gsutil|aws|azcopy|rclone|scp|"
                            r"s5cmd)\b")
 # a missing file that is data by its name: under a data folder, a model's outputs or features cached
-# for another pass, a partition of a graph or a dataset (`data/shard_00003.pt`, `data_node0/shard_002.pt`,
+# for another pass, a partition of a graph or a dataset (`data/shard_00003.pt`, `data_node0/shard_002.pt`, a
+# relative `data/conf_train_dedup_r2.pt`,
 # `teacher_logits.pt`, `once1_tokens.pt`, `part_3.pt`, `miss1_case_3_3.pt`, `replay_rank3_task0.pt`,
 # `shards/train_00004.pt`, `feats_v2/train-00002-of-00003.pt`, `scans_v2/shard_003.pt`); never one named for
 # checkpoints (_CHECKPOINT_NAMED)
@@ -50,10 +51,11 @@ _MODEL_OUTPUTS = r"logits|features|embeddings"
 _DATA_FOLDERS = (r"/(?:clips|series|audio|wavs?|signals?|frames|videos?|corpus|captions|labels|masks|annotations|"
                  r"images|imgs|ratings|interactions)(?:[_-]\w+)?/")
 # one indexed piece of a data set saved with torch.save (`flows_v2/flow_1.pt`, `scans_v2/shard_003.pt`: cpu_adhoc
-# 210th-224th batches), its name no word of a checkpoint's (`rank3.pt`, `step_12.pt`, `ema_step0150.pt` are one)
+# 210th-224th batches; `sessions/clicks_part2.pt`, words joined before the number: 243rd), its name no word of a
+# checkpoint's (`rank3.pt`, `step_12.pt`, `ema_step0150.pt` are one) and its number no version (`pretrained_v2.pt`)
 _INDEXED_PIECE = (r"/(?![^/']*(?:rank|step|epoch|iter|ckpt|checkpoint|model|snap|ema|optim|state|weight|net|best|last|"
-                  r"final|init))[A-Za-z]+[_-]?\d+\.pth?(?=')")
-_DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:/data[\w.-]*/|/shards?/|" + _MODEL_OUTPUTS + "|"
+                  r"final|init))[A-Za-z]+(?:[_-][A-Za-z]{2,})*[_-]?\d+\.pth?(?=')")
+_DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:(?<![\w.-])data[\w.-]*/|/shards?/|" + _MODEL_OUTPUTS + "|"
                         + _DATA_FOLDERS + "|" + _INDEXED_PIECE + "|"
                         r"tokeni[sz]ed|tokens[/_.]|partitions?[/_.]|/part_\d+\.|/shard[_-]\d+\.|"
                         r"(?:case|sample|volume|image|record)s?_\d+[_.]|replay[_.-]|"

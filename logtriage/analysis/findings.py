@@ -62,8 +62,9 @@ _INFO_LINE = re.compile(r"^\[?I\d{3,4} \d\d:\d\d:\d\d")
 # `[W1130 10:00:00.123456789 socket.cpp:764] ...`, `W0422 05:07:49.013000 204 ...api.py:...] ...`,
 # and Python logging's default format, `WARNING:megatron.core...:message`
 _WARNING_LINE = re.compile(r"^\[?W\d{3,4} \d\d:\d\d:\d\d|^\[W [\w.]+:\d+\]|^WARNING:[\w.]+:")
-# numbers, with a size's unit (`433.81 MiB` and `3.63 GiB` free on two ranks' GPUs are one kind of message)
-_MASK = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)? ?(?:[KMGTP]i?B|bytes)\b|\d+")
+# numbers, with a size's unit (`433.81 MiB` and `3.63 GiB` free on two ranks' GPUs are one kind of message) or a sign
+# (`pearson -0.0411` and `pearson 0.1167` on two ranks are one line)
+_MASK = re.compile(r"0x[0-9a-fA-F]+|(?:(?<![\w.-])-)?\d+(?:\.\d+)? ?(?:[KMGTP]i?B|bytes)\b|(?:(?<![\w.-])-)?\d+")
 
 
 def mask_numbers(text: str) -> str:
