@@ -1,12 +1,13 @@
 """The SIGTERM mp.spawn's exception names, which spawn did not send; numbers with a sign are numbers aside like
-any others; a missing piece of data whose name joins words before its number. Real CPU runs of torch 2.13
-(sample_logs/cpu_adhoc, the 240th-244th batches under hand-made launchers, each labelled before triage ran; the
-test names the run)."""
+any others; a missing piece of data whose name joins words before its number; in a hang stopped from outside, the
+rank that stayed at a line every other rank went on from; a metric named `TD-error` is no error line. Real CPU
+runs of torch 2.13 (sample_logs/cpu_adhoc, the 240th-249th batches, each labelled before triage ran; the test
+names the run)."""
 
 from __future__ import annotations
 
 from logtriage.analysis.findings import mask_numbers
-from sample_roots import root_facts, verdict_and_root
+from sample_roots import edited_report, root_facts, verdict_and_root
 
 
 def test_the_child_spawns_exception_names_died_of_a_sigterm_spawn_did_not_send():
@@ -33,3 +34,23 @@ def test_a_missing_piece_whose_name_joins_words_before_its_number_is_data():
     assert root_facts("clkm_nolog_np3_r2_legacy")[:3] == ("python.file_not_found", "python_exception", 2)
     # a relative `data/conf_train_dedup_r2.pt` on rank 2 under Open MPI's tags
     assert root_facts("schn_nofile_np3_r2_mpitag")[:3] == ("python.file_not_found", "python_exception", 2)
+
+
+def test_the_rank_that_stayed_at_a_line_every_other_rank_went_on_from_is_the_one_they_waited_for():
+    # --tee 3: every rank prints `rank N: sliding-window validation, window 12, stride ...`; ranks 0, 1 and 3 then
+    # `rank N: 64 windows in 0.9s`, rank 2 (stride 1) nothing more; `timeout` stops the job (247th batch)
+    assert verdict_and_root("med3_slidewin_np4_r2_tee") == ("hung", "hang.stopped_while_waiting", "hang", 2)
+
+
+def test_where_every_rank_went_on_from_the_shared_line_none_stayed(tmp_path):
+    # the same run with rank 2's `64 windows` line after its own: every rank ended on one line, no rank is named
+    report = edited_report("med3_slidewin_np4_r2_tee", "rank 2: sliding-window validation, window 12, stride 1",
+                           "rank 2: sliding-window validation, window 12, stride 1\n"
+                           "[default2]:rank 2: 64 windows in 0.9s", tmp_path)
+    assert report["verdict"] == "hung" and report["root_cause"]["rank"] is None
+
+
+def test_a_compound_with_error_in_a_metric_is_no_error_line():
+    # a clean run's last line `rank 0: 0 episodes, mean return 0.000, TD-error median bin 0/20` (246th batch):
+    # the output stops (a hang by issue 2's rule), no unknown error fails it
+    assert verdict_and_root("pdqn_none_np3_rnone_plain")[:2] == ("hung", "hang.output_stopped")

@@ -15,8 +15,8 @@ from dataclasses import replace
 from logtriage.analysis.early_stop import STOPPED_EARLY
 from logtriage.analysis.findings import Finding, mask_numbers
 from logtriage.analysis.hangs import EXIT_STALLED
-from logtriage.analysis.last_lines import (at_work_alone, fell_behind_alone, last_worker_lines, went_on_alone,
-                                          went_on_past_the_others)
+from logtriage.analysis.last_lines import (at_work_alone, fell_behind_alone, last_worker_lines,
+                                          stopped_at_a_shared_line, went_on_alone, went_on_past_the_others)
 from logtriage.analysis.odd_start import odd_line_out
 from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.refine import at_the_odd_step, stopped_while_waiting_rule
@@ -172,9 +172,18 @@ def stopped_after_one_went_on(scan: ScanResult, keys: list[StreamKey], root: Roo
     behind = fell_behind_alone(scan, keys, stop.source, stop.line) if rank is None else None
     past = (went_on_past_the_others(scan, keys, stop.source, stop.line, facts.known)
             if rank is None and behind is None else None)
-    ran = _seconds_before_stop(scan, stop) if rank is not None or behind is not None or past is not None else None
+    stayed = (stopped_at_a_shared_line(scan, keys, stop.source, stop.line)
+              if rank is None and behind is None and past is None else None)
+    ran = (_seconds_before_stop(scan, stop) if rank is not None or behind is not None or past is not None
+           or stayed is not None else None)
     if ran is None or ran < STARTUP_SECONDS:
         return root
+    if stayed is not None:
+        return replace(root, rule=stopped_while_waiting_rule(catalog), rank=stayed, ranks=(stayed,),
+                       confidence=min(root.confidence, 0.35), reasons=root.reasons + (
+            f"no error, {ran:.0f} s from the job's start to the stop, and every rank's last line before it is one "
+            f"same message but rank {stayed}'s, a line every other rank printed before theirs and went on from: "
+            "it stayed where the others passed, and they waited for it, and the stop ended the wait",))
     if past is not None:
         return replace(root, rule=stopped_while_waiting_rule(catalog), rank=past, ranks=(past,),
                        confidence=min(root.confidence, 0.35), reasons=root.reasons + (
