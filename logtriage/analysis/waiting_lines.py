@@ -168,39 +168,36 @@ def stopped_after_one_went_on(scan: ScanResult, keys: list[StreamKey], root: Roo
     if (not _signalled_stop_alone(root, findings) or stop.stamp is None or stop.source >= len(scan.sources)
             or len(facts.known) < 3):
         return root
-    rank = went_on_alone(scan, keys, stop.source, stop.line)
-    behind = fell_behind_alone(scan, keys, stop.source, stop.line) if rank is None else None
-    past = (went_on_past_the_others(scan, keys, stop.source, stop.line, facts.known)
-            if rank is None and behind is None else None)
-    stayed = (stopped_at_a_shared_line(scan, keys, stop.source, stop.line)
-              if rank is None and behind is None and past is None else None)
-    ran = (_seconds_before_stop(scan, stop) if rank is not None or behind is not None or past is not None
-           or stayed is not None else None)
+    found = _one_rank_apart(scan, keys, stop, facts)
+    ran = _seconds_before_stop(scan, stop) if found is not None else None
     if ran is None or ran < STARTUP_SECONDS:
         return root
-    if stayed is not None:
-        return replace(root, rule=stopped_while_waiting_rule(catalog), rank=stayed, ranks=(stayed,),
-                       confidence=min(root.confidence, 0.35), reasons=root.reasons + (
-            f"no error, {ran:.0f} s from the job's start to the stop, and every rank's last line before it is one "
-            f"same message but rank {stayed}'s, a line every other rank printed before theirs and went on from: "
-            "it stayed where the others passed, and they waited for it, and the stop ended the wait",))
-    if past is not None:
-        return replace(root, rule=stopped_while_waiting_rule(catalog), rank=past, ranks=(past,),
-                       confidence=min(root.confidence, 0.35), reasons=root.reasons + (
-            f"no error, {ran:.0f} s from the job's start to the stop, and every rank's last line before it is one "
-            f"same message but rank {past}'s, which reached that point too and then went on alone: the others "
-            "waited for it, and the stop ended the wait",))
-    if behind is not None:
-        return replace(root, rule=stopped_while_waiting_rule(catalog), rank=behind, ranks=(behind,),
-                       confidence=min(root.confidence, 0.35), reasons=root.reasons + (
-            f"no error, {ran:.0f} s from the job's start to the stop, and every rank's last line before it is one "
-            f"same message after its progress at step {facts.last_step.get(behind)} but rank {behind}'s, which is "
-            "that progress line: the others went on and waited for it, and the stop ended the wait",))
+    rank, why = found
     return replace(root, rule=stopped_while_waiting_rule(catalog), rank=rank, ranks=(rank,),
                    confidence=min(root.confidence, 0.35), reasons=root.reasons + (
-        f"no error, {ran:.0f} s from the job's start to the stop, and every rank's last line before it is its "
-        f"progress line at step {facts.last_step.get(rank)} but rank {rank}'s, which says what it went on to do: the "
-        "others waited for it, and the stop ended the wait",))
+        f"no error, {ran:.0f} s from the job's start to the stop, and every rank's last line before it is " + why,))
+
+
+def _one_rank_apart(scan: ScanResult, keys: list[StreamKey], stop: Finding, facts: RankFacts
+                    ) -> tuple[int, str] | None:
+    """The one rank whose last lines before the stop set it apart, and how they do (the end of the reason)."""
+    rank = went_on_alone(scan, keys, stop.source, stop.line)
+    if rank is not None:
+        return rank, (f"its progress line at step {facts.last_step.get(rank)} but rank {rank}'s, which says what it "
+                      "went on to do: the others waited for it, and the stop ended the wait")
+    rank = fell_behind_alone(scan, keys, stop.source, stop.line)
+    if rank is not None:
+        return rank, (f"one same message after its progress at step {facts.last_step.get(rank)} but rank {rank}'s, "
+                      "which is that progress line: the others went on and waited for it, and the stop ended the wait")
+    rank = went_on_past_the_others(scan, keys, stop.source, stop.line, facts.known)
+    if rank is not None:
+        return rank, (f"one same message but rank {rank}'s, which reached that point too and then went on alone: the "
+                      "others waited for it, and the stop ended the wait")
+    rank = stopped_at_a_shared_line(scan, keys, stop.source, stop.line)
+    if rank is not None:
+        return rank, (f"one same message but rank {rank}'s, a line every other rank printed before theirs and went "
+                      "on from: it stayed where the others passed, they waited for it, and the stop ended the wait")
+    return None
 
 
 def stopped_in_stride(scan: ScanResult, keys: list[StreamKey], root: RootCause, findings: list[Finding],
