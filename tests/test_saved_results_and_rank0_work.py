@@ -1,7 +1,7 @@
-"""A clean run whose console ends on the program saying it saved what it trained, with the other ranks' last
-steps flushed after it; rank 0's own work before it starts as the others do, or on its way to the line every
-rank ended on, which names no rank in a hang. Real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the
-235th-239th batches and earlier ones, each labelled before triage ran; the test names the run)."""
+"""A clean run whose console ends on the program saying it saved what it trained, or that it is done, with the
+other ranks' last steps flushed after it; rank 0's own work before it starts as the others do, or on its way to
+the line every rank ended on, which names no rank in a hang. Real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the
+235th-254th batches and earlier ones, each labelled before triage ran; the test names the run)."""
 
 from __future__ import annotations
 
@@ -72,3 +72,17 @@ def test_a_rank_whose_first_line_alone_differs_was_set_up_its_own_way(tmp_path):
     report = edited_report("supr_slowsave_np3_r2_plain", "rank 0 train 32 patches 24x24, val 10, scale x2\n", "",
                            tmp_path)
     assert report["root_cause"]["rank"] == 0
+
+
+def test_rank_0_saying_it_is_done_after_the_last_step_every_rank_printed_finished():
+    # a bash loop of one python per rank: every rank's `rank N step 4 ...`, then rank 0's `rank 0 done: 5 steps,
+    # final global loss 0.11282` (254th batch)
+    report = sample_report("nca_none_np3_rnone_bashloop")
+    assert (report["verdict"], report["root_cause"]) == ("ok", None)
+
+
+def test_a_rank_that_says_done_before_another_rank_steps_past_it_has_not_finished(tmp_path):
+    # the same run with rank 2 printing a step past rank 0's last after rank 0 said done: an uneven loop
+    report = edited_report("nca_none_np3_rnone_bashloop", "rank 0 done: 5 steps, final global loss 0.11282",
+                           "rank 0 done: 5 steps, final global loss 0.11282\nrank 2 step 5 loss 0.08", tmp_path)
+    assert report["verdict"] == "hung"

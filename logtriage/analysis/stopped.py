@@ -53,7 +53,7 @@ def output_stopped(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]
     the run finished."""
     last = next((line for line in reversed(_without_environment_report(tail))
                  if _JOB_OUTPUT.search(line[2]) and not reporters_words(line[2])), None)
-    if last is None or _every_rank_signed_off(scan, keys, tail, facts) or _saved_its_result(scan, keys, tail):
+    if last is None or _every_rank_signed_off(scan, keys, tail, facts) or _ended_on_its_result(scan, keys, tail):
         return None
     number = last[1]
     rule = catalog.get("hang.output_stopped") or fallback_rule(
@@ -107,16 +107,17 @@ _SAVED = re.compile(r"\b(?:saved|exported)\b(?!.*(?<![a-z0-9])(?:step|epoch|iter
 _SOURCE_TAG = re.compile(r"\b\w+\.py:\d+\b")
 
 
-def _saved_its_result(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]) -> bool:
-    """The log's end holds, after progress lines, a rank's line that it saved its result to a file, that
-    rank said nothing after it, and no other rank printed a step after it past the last step printed
-    before it: the program wrote what it trained and ended (a launcher at its default log level prints
-    nothing on success). The other ranks' lines after it are their own last steps or results, flushed late."""
+def _ended_on_its_result(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]) -> bool:
+    """The log's end holds, after progress lines, a rank's line that it saved its result to a file or that it
+    is done (`rank 0 done: 5 steps, final global loss 0.11`), that rank said nothing after it, and no other
+    rank printed a step after it past the last step printed before it: the program ended (a launcher at its
+    default log level prints nothing on success). The other ranks' lines after it are their own last steps or
+    results, flushed late."""
     before = -1
     for at, (source, number, text) in enumerate(tail):
         message = message_of(text)
         step = step_number(message)
-        if not _SAVED.search(message) or _SOURCE_TAG.search(text):
+        if not (_SAVED.search(message) or _SIGNED_OFF.search(message)) or _SOURCE_TAG.search(text):
             before = max(before, step if step is not None else -1)
             continue
         rank = _rank_of(scan, keys, source, number, message)

@@ -57,8 +57,11 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
         call = _CHECKPOINT_CALL.search(text) if "checkpoint" not in state else None
         if call:
             state["checkpoint"] = call.group(0)   # (its frames below it not shown)
+            state["checkpoint_call"] = call.group(0)
     if ", in " in text:
         if frame:
+            if "checkpoint_call" in state:
+                state["call_entered"] = True
             state["code_next"], state["last_code"] = True, ""
             if "cause_frame" not in state:
                 state.setdefault("functions", set()).add(frame.group(3))   # the first exception's frames
@@ -85,6 +88,13 @@ _CHECKPOINT_CALL = re.compile(r"\btorch\.(?:load|save)\b|\.load_state_dict\(")
 _NOT_A_RAISE = re.compile(r"^(?!raise\b|assert\b|[~^\s]*$)\S")
 
 
+def _load_never_ran(state: dict) -> bool:
+    """The innermost frame's own line calls torch.load or torch.save and no frame of the call follows it: the
+    error came from computing the call's arguments (`torch.load(f"{WORK}/{REGISTRY[pattern]}")`, KeyError:
+    'gecko'), so no checkpoint was read or written (torch's own failures raise inside serialization.py)."""
+    return state.get("checkpoint_call", "").startswith("torch.") and not state.get("call_entered")
+
+
 @dataclass
 class TracebackFacts:
     """Per closed traceback block (by block id): what its lines said."""
@@ -109,7 +119,7 @@ class TracebackFacts:
             self.exceptions[block_id] = state["exception"]
         if state.get("collective"):
             self.collectives[block_id] = state["collective"]
-        if state.get("checkpoint"):
+        if state.get("checkpoint") and not _load_never_ran(state):
             self.checkpoint_frames[block_id] = state["checkpoint"]
         if state.get("last_frame"):
             self.last_frames[block_id] = state["last_frame"]
