@@ -61,3 +61,15 @@ def test_a_key_error_computing_torch_loads_path_is_no_checkpoints_missing_key():
     # the call never ran (torch's own errors raise inside serialization.py), so the file's format is not at fault
     assert root_facts("nca_pattern_np4_r1_tee")[:3] == ("python.exception", "python_exception", 1)
     assert root_facts("nca_pattern_np3_r2_legacy")[:3] == ("python.exception", "python_exception", 2)
+
+
+def test_a_collectives_tensors_of_another_dtype_on_one_rank_is_a_collective_mismatch():
+    # `ValueError: Invalid usage of tensors with different dtypesFound torch.int64 and  torch.float32` from
+    # torch's own check in all_gather on rank 1, whose empty list of lengths became a float tensor (257th batch)
+    assert root_facts("rcpt_lengths_np4_r1_plain")[:3] == ("dist.tensor_dtype_mismatch", "collective_mismatch", 1)
+
+
+def test_a_rank_that_went_on_alone_names_the_hang_when_no_line_dates_the_jobs_start():
+    # plain torchrun with OMP_NUM_THREADS set prints no banner: the stop is the first stamped line; rank 2's
+    # `re-mining hard negatives over all 24 shard images before step 2` after its step 1, the others at step 1
+    assert verdict_and_root("vse_mine_np3_r2_plain") == ("hung", "hang.stopped_while_waiting", "hang", 2)

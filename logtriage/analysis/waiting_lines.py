@@ -169,13 +169,18 @@ def stopped_after_one_went_on(scan: ScanResult, keys: list[StreamKey], root: Roo
             or len(facts.known) < 3):
         return root
     found = _one_rank_apart(scan, keys, stop, facts)
-    ran = _seconds_before_stop(scan, stop) if found is not None else None
-    if ran is None or ran < STARTUP_SECONDS:
+    if found is None:
+        return root
+    # (no line before the stop stamped as it is, the launcher's banner switched off: its time is unknown, and what
+    # the ranks' last lines say stands alone)
+    ran = _seconds_before_stop(scan, stop)
+    if ran is not None and ran < STARTUP_SECONDS:
         return root
     rank, why = found
+    took = "" if ran is None else f"{ran:.0f} s from the job's start to the stop, "
     return replace(root, rule=stopped_while_waiting_rule(catalog), rank=rank, ranks=(rank,),
                    confidence=min(root.confidence, 0.35), reasons=root.reasons + (
-        f"no error, {ran:.0f} s from the job's start to the stop, and every rank's last line before it is " + why,))
+        f"no error, {took}and every rank's last line before it is " + why,))
 
 
 def _one_rank_apart(scan: ScanResult, keys: list[StreamKey], stop: Finding, facts: RankFacts
