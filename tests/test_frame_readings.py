@@ -41,3 +41,27 @@ def test_the_same_errors_outside_the_compile_cache_keep_their_own_reading(tmp_pa
                                  error="EOFError: Ran out of input"))
     rc = triage([str(log)]).to_dict()["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == ("ckpt.corrupt_archive", "checkpoint", 1, 6)
+
+
+CALL = ('[rank1]: Traceback (most recent call last):\n'
+        '[rank1]:   File "/workspace/train.py", line 42, in <module>\n'
+        '[rank1]:     main()\n'
+        '[rank1]:   File "/workspace/train.py", line 88, in load_target\n'
+        '[rank1]:     target = torch.load(f"{{WORK}}/{{REGISTRY[pattern]}}")\n'
+        '[rank1]:     {carets}\n'
+        "[rank1]: KeyError: 'gecko'\n"
+        'E1201 10:00:00.000000 1234 torch/distributed/elastic/multiprocessing/api.py:882] failed (exitcode: 1) '
+        'local_rank: 1 (pid: 1235) of binary: /usr/bin/python\n')
+
+
+@pytest.mark.parametrize("carets, rule", [
+    # Python 3.11's markers under `REGISTRY[pattern]`, inside the call's parentheses: the path's own lookup failed
+    # before torch.load ran (sample_logs/cpu_adhoc/nca_pattern_*, the 254th batch)
+    (" " * 37 + "~~~~~~~~^^^^^^^^^", "python.exception"),
+    # the markers under the whole call, its frames cut from the paste: the load itself raised, on the file's keys
+    ("         ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^", "ckpt.format_mismatch"),
+])
+def test_markers_inside_a_load_calls_arguments_say_the_checkpoint_was_never_read(tmp_path, carets, rule):
+    log = tmp_path / "load.log"
+    log.write_text(CALL.format(carets=carets))
+    assert triage([str(log)]).to_dict()["root_cause"]["rule_id"] == rule

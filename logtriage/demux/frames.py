@@ -52,16 +52,19 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
         if m:
             state["broadcast_src"] = int(m.group(1))
     frame = FRAME.match(text) if ", in " in text else None
+    opened = state.pop("call_opened", None)
+    if opened is not None and _CARETS.match(text) and len(text) - len(text.lstrip()) > opened:
+        state["arguments_failed"] = True   # Python 3.11's markers under the call's arguments, not the call
     if frame is None and state.pop("code_next", False) and text.startswith("    ") and text.strip():
         state["last_code"] = text.strip()   # the innermost frame's source line, where it shows one
         call = _CHECKPOINT_CALL.search(text) if "checkpoint" not in state else None
         if call:
             state["checkpoint"] = call.group(0)   # (its frames below it not shown)
-            state["checkpoint_call"] = call.group(0)
+            if call.group(0).startswith("torch."):
+                state["call_opened"] = text.find("(", call.end())
     if ", in " in text:
         if frame:
-            if "checkpoint_call" in state:
-                state["call_entered"] = True
+            state.pop("arguments_failed", None)   # (a frame below it: the call ran)
             state["code_next"], state["last_code"] = True, ""
             if "cause_frame" not in state:
                 state.setdefault("functions", set()).add(frame.group(3))   # the first exception's frames
@@ -88,11 +91,16 @@ _CHECKPOINT_CALL = re.compile(r"\btorch\.(?:load|save)\b|\.load_state_dict\(")
 _NOT_A_RAISE = re.compile(r"^(?!raise\b|assert\b|[~^\s]*$)\S")
 
 
+# a caret row: Python 3.11's markers under the part of a source line that raised
+_CARETS = re.compile(r"^\s*[~^]+\s*$")
+
+
 def _load_never_ran(state: dict) -> bool:
-    """The innermost frame's own line calls torch.load or torch.save and no frame of the call follows it: the
-    error came from computing the call's arguments (`torch.load(f"{WORK}/{REGISTRY[pattern]}")`, KeyError:
-    'gecko'), so no checkpoint was read or written (torch's own failures raise inside serialization.py)."""
-    return state.get("checkpoint_call", "").startswith("torch.") and not state.get("call_entered")
+    """The innermost frame's own line calls torch.load or torch.save, and Python's markers under it start inside
+    the call's parentheses: the error came from computing the call's arguments (`torch.load(f"{WORK}/{REGISTRY[
+    pattern]}")` with `~~~~~~~~^^^^^^^^^` under `REGISTRY[pattern]`, KeyError: 'gecko'), so no checkpoint was read
+    or written. A traceback cut below the call, or one without markers, keeps the call's reading."""
+    return bool(state.get("arguments_failed"))
 
 
 @dataclass
