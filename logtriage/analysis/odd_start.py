@@ -153,8 +153,8 @@ def _said_more_first(said: dict[int, list[str]]) -> bool:
     """Rank 0's first line is one of its own (`rank 0 wrote 128 HR patches to /tmp/sr`), and then it said what
     every other rank said first (`rank # train 32 patches 24x24`): it prepared something for all of them before
     it started as they did, which is a program's rank-0 work, not a rank set up its own way."""
-    first = {_NUMBER.sub("#", lines[0]) for rank, lines in said.items() if rank != 0}
-    return len(first) == 1 and next(iter(first)) in {_NUMBER.sub("#", line) for line in said[0][1:]}
+    first = {mask_numbers(lines[0]) for rank, lines in said.items() if rank != 0}
+    return len(first) == 1 and next(iter(first)) in {mask_numbers(line) for line in said[0][1:]}
 
 
 def _remainder_share(said: dict[int, str], rank: int) -> bool:

@@ -6,7 +6,6 @@ teardown alone says a worker failed whose error the log does not hold."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import SRUN_TASK_NOTICE, Finding
@@ -91,7 +90,6 @@ def hangup_forwarded(findings: list[Finding], catalog: Catalog) -> RootCause | N
 
 
 SIGTERM_RULE = "signal.sigterm"
-_SPAWN_EXITED = re.compile(r"ProcessExitedException: process \d+ terminated with signal SIGTERM")
 SIGTERM_UNSENT = "signal.sigterm_unsent"
 
 
@@ -121,8 +119,8 @@ def unsent_sigterms(findings: list[Finding], catalog: Catalog, stopped: frozense
             and findings[notices[1]].rule.id != SIGTERM_RULE:
         unsent.add(notices[0])
     # mp.spawn raises for the first child that died and only then terminates the others (by pid, `Terminating
-    # process 27211 via signal SIGTERM`): the child its exception names was not stopped by it
-    unsent |= {i for i, f in enumerate(findings) if f.rule.id == SIGTERM_RULE and _SPAWN_EXITED.search(f.text)}
+    # process 27211 via signal SIGTERM`): the child its exception names (the pattern's `process`) was not stopped by it
+    unsent |= {i for i, f in enumerate(findings) if f.rule.id == SIGTERM_RULE and "process" in f.captures}
     return [replace(f, rule=rule) if i in unsent else f for i, f in enumerate(findings)]
 
 

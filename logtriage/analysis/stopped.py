@@ -113,24 +113,19 @@ def _ended_on_its_result(scan: ScanResult, keys: list[StreamKey], tail: list[Tai
     rank printed a step after it past the last step printed before it: the program ended (a launcher at its
     default log level prints nothing on success). The other ranks' lines after it are their own last steps or
     results, flushed late."""
-    before = -1
+    before = -1     # the highest step printed so far
     for at, (source, number, text) in enumerate(tail):
         message = message_of(text)
+        ended = (_SAVED.search(message) or _SIGNED_OFF.search(message)) and not _SOURCE_TAG.search(text)
+        if ended and before >= 0:
+            rank = _rank_of(scan, keys, source, number, message)
+            after = [(s, n, message_of(t)) for s, n, t in tail[at + 1:] if s == source]
+            if all(_rank_of(scan, keys, s, n, m) not in (rank, None) and (step_number(m) or 0) <= before
+                   for s, n, m in after if m):
+                return True
         step = step_number(message)
-        if not (_SAVED.search(message) or _SIGNED_OFF.search(message)) or _SOURCE_TAG.search(text):
-            before = max(before, step if step is not None else -1)
-            continue
-        rank = _rank_of(scan, keys, source, number, message)
-        after = [(s, n, message_of(t)) for s, n, t in tail[at + 1:] if s == source]
-        if before >= 0 and all(_rank_of(scan, keys, s, n, m) not in (rank, None)
-                               and _at_most(step_number(m), before) for s, n, m in after if m):
-            return True
-        before = max(before, step if step is not None else -1)
+        before = before if step is None else max(before, step)
     return False
-
-
-def _at_most(step: int | None, last: int) -> bool:
-    return step is None or step <= last
 
 
 def _every_rank_signed_off(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine], facts: RankFacts) -> bool:

@@ -60,8 +60,9 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
         call = _CHECKPOINT_CALL.search(text) if "checkpoint" not in state else None
         if call:
             state["checkpoint"] = call.group(0)   # (its frames below it not shown)
-            if call.group(0).startswith("torch."):
-                state["call_opened"] = text.find("(", call.end())
+            opened = text.find("(", call.end())
+            if call.group(0).startswith("torch.") and opened >= 0:
+                state["call_opened"] = opened
     if ", in " in text:
         if frame:
             state.pop("arguments_failed", None)   # (a frame below it: the call ran)
