@@ -13,6 +13,7 @@ from logtriage.analysis.early_stop import stopped_early_peer
 from logtriage.analysis.environment import Environment, collect_environment
 from logtriage.analysis.exceptions import checkpoint_io, frame_reading, probe_json_without_banner
 from logtriage.analysis.ext_build import own_source_compile_error
+from logtriage.analysis.gave_up import gave_up_before_exit
 from logtriage.analysis.fallback_roots import cut_traceback, exit_only_root, unrecognised_exception
 from logtriage.analysis.summary_exceptions import error_file_exception, same_error_in_summary
 from logtriage.analysis.findings import Finding, resolve_findings, srun_tasks_are_nodes
@@ -159,7 +160,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = same_error_in_summary(checkpoint_io(error_file_exception(root, failures, catalog), catalog), failures,
                                      catalog)
     if root is not None:
-        root = writer_behind_readers(root, findings)
+        root = gave_up_before_exit(scan, keys, writer_behind_readers(root, findings), catalog)
     if root is None:
         root = cut_traceback(scan, keys, catalog)
     if root is None:

@@ -53,10 +53,13 @@ _DATA_FOLDERS = (r"/(?:clips|series|audio|wavs?|signals?|frames|videos?|corpus|c
 # one indexed piece of a data set saved with torch.save (`flows_v2/flow_1.pt`, `scans_v2/shard_003.pt`: cpu_adhoc
 # 210th-224th batches; `sessions/clicks_part2.pt`, words joined before the number: 243rd), its name no word of a
 # checkpoint's (`rank3.pt`, `step_12.pt`, `ema_step0150.pt` are one) and its number no version (`pretrained_v2.pt`)
-_INDEXED_PIECE = (r"/(?![^/']*(?:rank|step|epoch|iter|ckpt|checkpoint|model|snap|ema|optim|state|weight|net|best|last|"
-                  r"final|init))[A-Za-z]+(?:[_-][A-Za-z]{2,})*[_-]?\d+\.pth?(?=')")
+_NO_CHECKPOINT_WORD = (r"(?![^/']*(?:rank|step|epoch|iter|ckpt|checkpoint|model|snap|ema|optim|state|weight|net|best|"
+                       r"last|final|init))")
+_INDEXED_PIECE = r"/" + _NO_CHECKPOINT_WORD + r"[A-Za-z]+(?:[_-][A-Za-z]{2,})*[_-]?\d+\.pth?(?=')"
+# a data set's split saved with torch.save, the split's name last (`pairs/market_2_val.pt`: cpu_adhoc 267th batch)
+_SPLIT_PIECE = r"/" + _NO_CHECKPOINT_WORD + r"[\w-]*[_-](?:train|val|valid|validation|test|eval|dev)\.pth?(?=')"
 _DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:(?<![\w.-])data[\w.-]*/|/shards?/|" + _MODEL_OUTPUTS + "|"
-                        + _DATA_FOLDERS + "|" + _INDEXED_PIECE + "|"
+                        + _DATA_FOLDERS + "|" + _INDEXED_PIECE + "|" + _SPLIT_PIECE + "|"
                         r"tokeni[sz]ed|tokens[/_.]|partitions?[/_.]|/part_\d+\.|/shard[_-]\d+\.|"
                         r"(?:case|sample|volume|image|record)s?_\d+[_.]|replay[_.-]|"
                         r"/(?:train|val|valid|test|eval)[_.-]\d+(?:-of-\d+)?\.)[^']*'",

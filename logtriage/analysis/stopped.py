@@ -67,7 +67,7 @@ def output_stopped(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]
         reasons.append("no progress (step) line was printed: it stopped during start-up or its first steps")
     reasons.append("if the job is still running it is stuck after this line; if it ended, its end is not in this log")
     ranks = tuple(sorted(facts.last_step))
-    return RootCause(rule, _finding(scan, keys, rule, last), None, ranks if len(ranks) > 1 else (), 0.25,
+    return RootCause(rule, line_finding(scan, keys, rule, last), None, ranks if len(ranks) > 1 else (), 0.25,
                      tuple(reasons))
 
 
@@ -185,13 +185,13 @@ def unknown_error_line(scan: ScanResult, keys: list[StreamKey], tail: list[TailL
         return None
     rule = catalog.get("unknown.error_line") or fallback_rule(
         "unknown.error_line", Category.UNKNOWN, "An error line no rule knows, and nothing after it")
-    finding = _finding(scan, keys, rule, line)
+    finding = line_finding(scan, keys, rule, line)
     return RootCause(rule, finding, finding.rank, (finding.rank,) if finding.rank is not None else (), 0.3, (
         f"line {line[1]} reports an error no rule in the catalog knows, and nothing after it says the run went "
         "on or finished: read it as the failure",))
 
 
-def _finding(scan: ScanResult, keys: list[StreamKey], rule, line: TailLine) -> Finding:
+def line_finding(scan: ScanResult, keys: list[StreamKey], rule, line: TailLine) -> Finding:
     source, number, text = line
     stream = keys[scan.slots.final(scan.indexes[source].slots[number - 1])]
     return Finding(rule, {}, source, number, stream, stream.rank_or_none, message_of(text), -1, scan.seq + 1, None)

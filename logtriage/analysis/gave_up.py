@@ -1,0 +1,50 @@
+"""A worker that said why it gave up: its own last line before the launcher reported its exit code
+(`rank 2: shard part-002.npz has 0 rows after the label filter; aborting`). The exit code is then no
+failure without a message: the program ended itself on purpose, and its line says why."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+from logtriage.analysis.hangs import fallback_rule
+from logtriage.analysis.last_lines import last_worker_lines
+from logtriage.analysis.live_errors import EXIT_RULE
+from logtriage.analysis.roots import RootCause
+from logtriage.analysis.stopped import line_finding
+from logtriage.catalog.loader import Catalog
+from logtriage.catalog.rule import Category
+from logtriage.demux.streams import StreamKey
+from logtriage.scan_result import ScanResult
+
+LOGGED_RULE = "python.logged_error"
+# the line ends on the word that it gives up, after a reason (`...; aborting`, `..., giving up`,
+# `... failed its checksum at step 3 (...); exiting`); a word that goes on (`exiting 124 for requeue`,
+# `aborting, scratch volume has ...`) is another kind of line
+_GIVES_UP = re.compile(r"\w.*?\S(?:[;,:]| -+| ?[–—]) *(?:aborting|giving up|gave up|bailing out|exiting|stopping|"
+                       r"quitting|terminating)(?: (?:now|the run|the job|training|the solver|solver|run|job))?[.!]*$",
+                       re.IGNORECASE)
+# a reason's own words, beyond the rank's label (`rank 2: ...`, `[rank 3] ...`)
+_RANK_LABEL = re.compile(r"^\W*(?:rank|worker|proc(?:ess)?)\W*\d+\W*", re.IGNORECASE)
+_MIN_REASON_WORDS = 3
+
+
+def gave_up_before_exit(scan: ScanResult, keys: list[StreamKey], root: RootCause, catalog: Catalog) -> RootCause:
+    """An exit-code root whose rank's last line before the exit says it gives up, and why: the root is
+    that line, the program's own error message."""
+    f = root.finding
+    if root.rule.id != EXIT_RULE or root.rank is None or f is None:
+        return root
+    _, by_rank = last_worker_lines(scan, keys, f.source, f.line)
+    last = by_rank.get(root.rank)
+    if last is None or not _GIVES_UP.match(last[1]):
+        return root
+    reason = _RANK_LABEL.sub("", _GIVES_UP.match(last[1]).group(0))
+    if len(reason.split()) < _MIN_REASON_WORDS + 1:
+        return root
+    rule = catalog.get(LOGGED_RULE) or fallback_rule(
+        LOGGED_RULE, Category.PYTHON_EXCEPTION, "The script logged an error and exited")
+    finding = replace(line_finding(scan, keys, rule, (f.source, last[0], last[1])), rank=root.rank)
+    return replace(root, rule=rule, finding=finding, confidence=max(root.confidence, 0.5), reasons=root.reasons + (
+        f"rank {root.rank}'s last line before its exit (line {last[0]}) says why it gave up: the program ended "
+        "itself on that error, and the exit code only confirms it",))

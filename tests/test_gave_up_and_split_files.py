@@ -1,0 +1,54 @@
+"""A worker that ends itself after a line saying why it gives up (`...; aborting`), and a data set's split saved
+with torch.save and read back with torch.load (`pairs/market_2_val.pt`). Real CPU runs of torch 2.13
+(sample_logs/cpu_adhoc, the 265th-269th batches and earlier ones, each labelled before triage ran; the test names
+the run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sample_roots import SAMPLES, edited_report, sample_report
+
+
+@pytest.mark.parametrize("slug, rank, line", [
+    # `rank 2: shard part-002.npz has 0 rows after the label filter; aborting`, then os._exit(3): an unlabelled line
+    # whose text names the rank, and `failed (exitcode: 3) local_rank: 2` from the agent
+    ("tabx_exit3_np3_r2_loglevel", 2, 44),
+    # `rank 2: feature cache spec/.../shard-002.pt checksum 0x5e1f0c2a != manifest 0x5e1f0c3b; aborting`, the other
+    # ranks' `Connection closed by peer` tracebacks printed before the agent's exit line
+    ("mtr_exit3_np4_r2_loglevel", 2, 49),
+    # behind torchrun's `[default1]:` label: `rank 1: scratch volume has only 0.4 GB free at step 3, stopping`
+    ("shut_sysexitmsg_np2_r1_dbginfo", 1, None),
+])
+def test_the_line_a_rank_gave_up_on_is_the_root(slug, rank, line):
+    rc = sample_report(slug)["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.logged_error", "python_exception", rank)
+    assert rc["line"] == line or line is None
+    assert rc["text"].rstrip(".").endswith(("aborting", "stopping"))
+
+
+@pytest.mark.parametrize("old, new", [
+    # the giving-up word does not end the line: the line goes on with another thought
+    ("label filter; aborting", "label filter; aborting shard 2 and retrying with shard 3"),
+    # no reason before it: the rank's label and the word alone
+    ("rank 2: shard part-002.npz has 0 rows after the label filter; aborting", "rank 2: aborting"),
+    # the line names another rank than the one that exited
+    ("rank 2: shard part-002.npz", "rank 1: shard part-002.npz"),
+])
+def test_without_a_reason_on_the_exiting_ranks_last_line_the_exit_code_stays_alone(old, new, tmp_path):
+    text = (SAMPLES / "tabx_exit3_np3_r2_loglevel.log").read_text()
+    assert old in text
+    rc = edited_report("tabx_exit3_np3_r2_loglevel", old, new, tmp_path)["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("signal.exit_nonzero", "unknown", 2)
+
+
+def test_a_data_split_read_with_torch_load_is_a_missing_file_not_a_checkpoint():
+    # `torch.load(f"{WORK}/pairs/{SCENES[r]}_{split}.pt")`: FileNotFoundError for `.../pairs/market_2_val.pt`
+    rc = sample_report("oflw_archive_np4_r3_filter")["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.file_not_found", "python_exception", 3)
+
+
+@pytest.mark.parametrize("name", ["market_2_best_val.pt", "model_val.pt", "ckpt_test.pt"])
+def test_a_split_name_with_a_checkpoints_word_stays_a_checkpoint(name, tmp_path):
+    rc = edited_report("oflw_archive_np4_r3_filter", "market_2_val.pt", name, tmp_path)["root_cause"]
+    assert rc["category"] == "checkpoint"
