@@ -1,7 +1,7 @@
 """A clean run whose console ends on the program saying it saved what it trained, or that it is done, with the
 other ranks' last steps flushed after it; rank 0's own work before it starts as the others do, or on its way to
 the line every rank ended on, which names no rank in a hang. Real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the
-235th-254th batches and earlier ones, each labelled before triage ran; the test names the run)."""
+235th-274th batches and earlier ones, each labelled before triage ran; the test names the run)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ from sample_roots import SAMPLES, edited_report, sample_report, verdict_and_root
     "hnet_none_np4_rnone_logfmt",
     # `rank 0 done: final ll/event -1.9145, saved hawkes_final.pt`
     "hawk_none_np4_rnone_wrapper",
+    # a name of more than one word and a value with a sign: `rank 0 done: 5 updates, mean return -0.300`
+    "ppog_none_np3_rnone_bashloop",
+    # no rank's label: `anomaly detection done: precision 1.000 recall 0.379, 11 windows flagged on 3 machines`
+    "tcna_none_np3_rnone_bashloop",
 ])
 def test_a_run_that_ends_on_saving_its_result_finished(slug):
     report = sample_report(slug)
@@ -86,3 +90,13 @@ def test_a_rank_that_says_done_before_another_rank_steps_past_it_has_not_finishe
     report = edited_report("nca_none_np3_rnone_bashloop", "rank 0 done: 5 steps, final global loss 0.11282",
                            "rank 0 done: 5 steps, final global loss 0.11282\nrank 2 step 5 loss 0.08", tmp_path)
     assert report["verdict"] == "hung"
+
+
+@pytest.mark.parametrize("old, new", [
+    # a sign-off that goes on to wait for the others is no end
+    ("rank 0 done: 5 updates, mean return -0.300", "rank 0 done: 5 updates, waiting for peers 3"),
+    ("rank 0 done: 5 updates, mean return -0.300", "rank 0 done, retrying the upload 3"),
+])
+def test_a_done_line_that_goes_on_to_wait_is_no_end(old, new, tmp_path):
+    report = edited_report("ppog_none_np3_rnone_bashloop", old, new, tmp_path)
+    assert report["verdict"] == "hung" and report["root_cause"]["category"] == "hang"

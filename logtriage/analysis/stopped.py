@@ -74,12 +74,15 @@ def output_stopped(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]
 # a rank's own last word that its work is over (`rank 0 final 11.1705 done`, `[r2] eval finished`)
 # a last line that ends on the word, or that sums the run up after it (`rank 3 done: 20 steps, mean loss
 # 1.4187`, `finished, final loss 1.37`, `done, best f1 0.7222`, `done samples 256`, `done 8 steps 0.41 loss`:
-# only counts and their names to the line's end); not one that goes on to wait (`done, waiting for the report`)
-_COUNT = r"(?:[a-z_]+\s*[=:]?\s*\d[\d.,]*|\d[\d.,]*\s+[a-z_]+)"
+# only counts and their names to the line's end; a name of up to three words, a value with a sign: `done: 5
+# updates, mean return -0.300`, `done: precision 1.000 recall 0.379, 11 windows flagged on 3 machines`); not one
+# that goes on to wait (`done, waiting for the report`)
+_COUNT = r"(?:[a-z_]+(?:\s+[a-z_]+){0,2}\s*[=:]?\s*[-+]?\d[\d.,]*|\d[\d.,]*\s+[a-z_]+(?:\s+[a-z_]+){0,2})"
 _SIGNED_OFF = re.compile(r"\b(?:done|finished|completed?|exiting)[.!]?\s*$|\b(?:done|finished|completed?)[:,]\s+"
                          r"(?:\d+\s+(?:steps?|epochs?|iterations?|iters?|batches)\b|(?:final|mean|avg|average|last|best)"
                          r"\s+(?:(?:loss|acc(?:uracy)?|metric)\b|[a-z][\w@-]*\s*[=:]?\s*[-+]?\d[\d.]*\s*$))"
-                         rf"|\b(?:done|finished|completed?)[:,]?\s+{_COUNT}(?:[,;]?\s+{_COUNT})*[.]?\s*$", re.IGNORECASE)
+                         rf"|\b(?:done|finished|completed?)[:,]?\s+(?!.*\b(?:wait\w*|retr\w*|error|fail\w*|timed? ?out|stuck)\b)"
+                         rf"{_COUNT}(?:[,;]?\s+{_COUNT})*[.]?\s*$", re.IGNORECASE)
 # a line that sums a finished run up (`final val_loss 0.2204`, `best acc 0.91`), and says nothing of errors
 _SUMMED_UP = re.compile(r"^(?!.*\b(?:error|fail\w*|warn\w*|wait\w*|timed? ?out)\b).*\b(?:final|total|best|summary)\b",
                         re.IGNORECASE)

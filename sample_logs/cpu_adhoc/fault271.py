@@ -22,18 +22,18 @@ Faults:
   none      - control
 
 What happened (filled in after the runs):
-  lmkidx    - (to fill)
-  iod0      - (to fill)
-  hist      - (to fill)
-  noann     - (to fill)
-  pose      - (to fill)
-  hmres     - (to fill)
-  ckpt      - (to fill)
-  slowheat  - (to fill)
-  abort     - (to fill)
-  collate   - (to fill)
-  exit3     - (to fill)
-  none      - (to fill)
+  lmkidx    - IndexError: index 68 is out of bounds for dimension 0 with size 68 on rank N at startup; peers Connection closed
+  iod0      - FloatingPointError: rank N: NME is inf over 16 val faces (min inter-ocular distance 0.0000); peers closed
+  hist      - a peer aborts: gloo::EnforceNotMet ... Received data size doesn't match expected size (SIGABRT); others reset
+  noann     - FileNotFoundError for data/ann_v2/face-00N.npz on rank N; peers Connection closed or SIGTERMed
+  pose      - KeyError: 'profile_left' in augment on rank N at step 0; peers Connection closed by peer in backward
+  hmres     - RuntimeError: The size of tensor a (16) must match the size of tensor b (32) ... on every rank at step 0
+  ckpt      - RuntimeError: Error(s) in loading state_dict for StackedHG: Unexpected key(s) stacks.2.* on rank N
+  slowheat  - peers 'Timed out waiting 12000ms' in the NME all_reduce (PG 12 s); with PG 300 s nothing until timeout 124
+  abort     - rank N killed by SIGABRT at step 2, no traceback; spawn: ProcessExitedException process N SIGABRT
+  collate   - TypeError: 'NoneType' object is not subscriptable in collate on rank N; peers Connection closed
+  exit3     - rank N prints ERROR ... 67 landmarks per face ... aborting and exits 3; peers Connection reset/closed
+  none      - exit 0, rank 0 done: 4 steps, NME 0.5890 over 48 val faces
 """
 import argparse
 import logging

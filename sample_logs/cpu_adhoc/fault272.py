@@ -21,17 +21,17 @@ Faults:
 - none: control.
 
 What happened (filled in after the runs):
-- aacode: (to fill)
-- emptymask: (to fill)
-- counts: (to fill)
-- fasta: (to fill)
-- family: (to fill)
-- onehot: (to fill)
-- ckpt: (to fill)
-- align: (to fill)
-- segv: (to fill)
-- exit9: (to fill)
-- none: (to fill)
+- aacode: IndexError 'index 20 is out of bounds for dimension 0 with size 20' in encode on rank N (pss_aacode_np3_r1_ranklabel, _np4_r2_legacy).
+- emptymask: FloatingPointError 'masked loss is nan at step 0 over 0 residues' on rank N (pss_emptymask_np3_r2_logfmt, _np4_r1_mpitag).
+- counts: 'ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected (5), got (4))' on rank N (pss_counts_np3_r1_srunlabel, _np4_r3_spawn).
+- fasta: FileNotFoundError for /tmp/job_work/seqs/v2/shard_N.fasta at startup (pss_fasta_np4_r3_mpitag, pss_fasta_np3_r0_files).
+- family: KeyError: 'PF00072' on rank N at startup; agent SIGTERMed the rest (pss_family_np3_r2_legacy, _np4_r1_tee).
+- onehot: every rank: 'expected input[4, 36, 64] to have 28 channels, but got 36' (pss_onehot_np3_rall_logfmt, _np4_rall_spawn).
+- ckpt: Missing key(s) in state_dict: "lstm.weight_ih_l1", ... on rank N (pss_ckpt_np3_r1_files, _np4_r2_bashloop).
+- align: PG 12 s: peers 'Timed out waiting 12000ms' (pss_align_np3_r1_tee); PG 300 s: killed at 60 s, exit 124 (_np3_r2_ranklabel).
+- segv: rank N SIGSEGV, no traceback; peers reset/closed (pss_segv_np3_r0_mpitag exit 139, _np4_r1_pdsh2 Root Cause -11).
+- exit9: 'ERROR rank N: labels/shard_N.txt record 17 has ... states' then exit 9 (pss_exit9_np3_r2_bashloop, _np4_r1_srunlabel).
+- none: exit 0, 'rank 0 done: 5 steps, final Q3 0.299' (pss_none_np3_rnone_bashloop).
 """
 import argparse
 import json

@@ -21,17 +21,17 @@ Faults:
   none      - control
 
 What happened (filled in after the runs):
-  badtoken  - (to fill)
-  zerolen   - (to fill)
-  lengather - (to fill)
-  nocaps    - (to fill)
-  splitkey  - (to fill)
-  attdim    - (to fill)
-  vocabpkl  - (to fill)
-  beamslow  - (to fill)
-  sigterm   - (to fill)
-  unused    - (to fill)
-  none      - (to fill)
+  badtoken  - IndexError: index out of range in self (embedding) on rank N at step 0; peers Connection closed by peer
+  zerolen   - FloatingPointError: rank N: loss is nan at step 0 (token mask sum 0 over 8 captions); peers closed/SIGTERMed
+  lengather - rank N: ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected (41), got (40))
+  nocaps    - FileNotFoundError for coco_tiny/captions_train2017.json on rank N; peers Connection closed by peer
+  splitkey  - KeyError: 'restval' on rank N before the first collective; peers Connection closed by peer
+  attdim    - RuntimeError: mat1 and mat2 shapes cannot be multiplied (512x32 and 64x24) on every rank at step 0
+  vocabpkl  - _pickle.UnpicklingError: Weights only load failed ... GLOBAL __main__.Vocab on rank N; peers closed
+  beamslow  - peers `Timed out waiting 12000ms` in the BLEU all_reduce; with --pg-timeout 300 hung until timeout 40 (124)
+  sigterm   - rank N exitcode -15 / spawn `process N terminated with signal SIGTERM`, no traceback; peers reset
+  unused    - no DDP RuntimeError: rank N aborts (SIGABRT) on gloo `op.preamble.length <= op.nbytes. 15036 vs 4` at step 2
+  none      - exit 0, `rank 0 done: 5 steps, val BLEU-1 0.036 over 24 images`
 """
 import argparse, json, logging, math, os, signal, sys, time
 from datetime import timedelta

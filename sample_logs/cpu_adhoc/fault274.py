@@ -23,17 +23,17 @@ Faults:
 - none: control.
 
 What happened (filled in after the runs):
-- actidx: (to fill)
-- advnan: (to fill)
-- retgather: (to fill)
-- nomap: (to fill)
-- badmap: (to fill)
-- obswidth: (to fill)
-- critckpt: (to fill)
-- slowroll: (to fill)
-- sigkill: (to fill)
-- exit2: (to fill)
-- none: (to fill)
+- actidx: IndexError: index 4 is out of bounds for dimension 1 with size 4 on rank N at update 2 (ppog_actidx_np4_r1_ranklabel, _np3_r2_spawn).
+- advnan: std warning, then FloatingPointError 'non-finite normalised advantages at update 0 (minibatch of 1, std nan)' on rank N (ppog_advnan_np3_r2_srunlabel, _np4_r0_logfmt).
+- retgather: 'ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected (17), got (16))' on rank N; peers closed (ppog_retgather_np3_r1_mpitag, _np4_r3_files).
+- nomap: FileNotFoundError for /tmp/job_work/maps_v2/open_7.txt on rank N at startup (ppog_nomap_np3_r0_spawn, ppog_nomap_np4_r3_logfmt).
+- badmap: KeyError: 'fourrooms' on rank N at startup (ppog_badmap_np3_r2_legacy, ppog_badmap_np4_r1_mpitag).
+- obswidth: every rank: 'mat1 and mat2 shapes cannot be multiplied (16x28 and 14x64)' (ppog_obswidth_np3_rall_logfmt, _np4_rall_spawn).
+- critckpt: size mismatch for 0.weight [128, 14] vs [64, 14] on rank N (ppog_critckpt_np3_r1_files, ppog_critckpt_np4_r2_tee).
+- slowroll: PG 12 s: peers 'Timed out waiting 12000ms' (ppog_slowroll_np3_r2_tee); PG 300 s: killed at 60 s, exit 124 (_np3_r1_ranklabel).
+- sigkill: rank N SIGKILL, no traceback; Root Cause -9 (ppog_sigkill_np4_r1_pdsh2, ppog_sigkill_np3_r0_legacy).
+- exit2: 'ERROR rank N: map ... puts the goal [6, 6] inside a wall ...' then exit 2; peers closed (ppog_exit2_np3_r1_bashloop, _np4_r3_srunlabel).
+- none: exit 0, 'rank 0 done: 5 updates, mean return -0.300' (ppog_none_np3_rnone_bashloop).
 """
 import argparse
 import logging
