@@ -32,13 +32,20 @@ stamped = st.builds(lambda stamp, word, digits, after, rest: stamp + word + digi
                     st.sampled_from(["rank", "r", "Rank ", "R", "rank=", "ra"]), DIGITS,
                     st.sampled_from([" INFO", " info", ":", " |", " step", " x", "", " ERRORS"]), texts)
 
+# a logging format's level, maybe a logger's name, then the script's own `rank N: ` (`INFO vqvae: rank 2: ...`)
+leveled = st.builds(lambda level, name, word, digits, after, rest: level + name + word + digits + after + rest,
+                    st.sampled_from(["INFO ", "ERROR ", "[WARNING] ", "info ", "x ", "", "2026-12-05 15:39:51,756 INFO "]),
+                    st.sampled_from(["vqvae: ", "a.b: ", "vqvae:", ": ", "vqvae ", ""]),
+                    st.sampled_from(["rank ", "rank", "Rank ", "ra"]), DIGITS,
+                    st.sampled_from([": ", ":", " step", ""]), texts)
+
 
 def _buf(text: str) -> np.ndarray:
     return np.frombuffer(text.encode(), dtype=np.uint8)
 
 
 @settings(max_examples=5000, deadline=None)
-@given(texts | shaped | stamped)
+@given(texts | shaped | stamped | leveled)
 def test_rank_marker_matches_the_exact_path(text):
     found = kernel_markers.marker(_buf(text), 0, len(text), np.empty(8, dtype=np.int64))
     if found == -2:

@@ -55,6 +55,9 @@ def test_a_scripts_own_error_print_before_a_quiet_exit_is_the_root():
 def test_a_level_word_before_the_rank_names_it():
     assert find_rank_marker("ERROR rank 5: shard 0005 checksum mismatch at step 3, stopping") == 5
     assert find_rank_marker("INFO rank 2: step 3 loss 0.41") == 2
+    # behind the level and the logger's name (`%(asctime)s %(levelname)s %(name)s: %(message)s`, vqv_kmeans)
+    assert find_rank_marker("2026-12-05 15:39:51,756 INFO vqvae: rank 2: re-initialising dead codes with k-means") == 2
+    assert find_rank_marker("INFO vqvae: ranks 2: x") is None and find_rank_marker("foo: rank 2: x") is None
     assert find_rank_marker("the rank 2: step 3") is None
 
 

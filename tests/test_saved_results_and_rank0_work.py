@@ -100,3 +100,9 @@ def test_a_rank_that_says_done_before_another_rank_steps_past_it_has_not_finishe
 def test_a_done_line_that_goes_on_to_wait_is_no_end(old, new, tmp_path):
     report = edited_report("ppog_none_np3_rnone_bashloop", old, new, tmp_path)
     assert report["verdict"] == "hung" and report["root_cause"]["category"] == "hang"
+
+
+def test_a_rank_that_went_on_alone_behind_a_loggers_name_names_the_hang():
+    # `2026-12-05 15:39:51,756 INFO vqvae: rank 2: re-initialising dead codes with k-means` after rank 2's step 1,
+    # the others' step 1 and nothing more before `timeout` stopped the job: rank 2 left the loop they waited in
+    assert verdict_and_root("vqv_kmeans_np3_r2_plain") == ("hung", "hang.stopped_while_waiting", "hang", 2)

@@ -38,8 +38,9 @@ _RANK_MARKERS = (
     re.compile(r"^ *\( *rank *(\d{1,9}) *\)", re.IGNORECASE | re.ASCII),
     re.compile(r"^ *> *rank +(\d{1,9})\b", re.IGNORECASE | re.ASCII),
     # a logging format's `[%(levelname)s] rank 4: message`, behind the level's bracket, or a script's own
-    # `ERROR rank 5: message` / `INFO rank 2: step 3` behind its bare level word
-    re.compile(r"(?:\]|\b(?:ERROR|WARNING|WARN|INFO|DEBUG|CRITICAL|FATAL))\s+rank ?(\d{1,9}): ",
+    # `ERROR rank 5: message` / `INFO rank 2: step 3` behind its bare level word, or behind the level and the
+    # logger's name (`%(levelname)s %(name)s: %(message)s`: `INFO vqvae: rank 2: re-initialising dead codes`)
+    re.compile(r"(?:\]|\b(?:ERROR|WARNING|WARN|INFO|DEBUG|CRITICAL|FATAL))(?:\s+[\w.]+:)?\s+rank ?(\d{1,9}): ",
                re.IGNORECASE | re.ASCII),
     # a logging format's rank field right after its time (`2026-12-03T11:19:07.145+00:00 rank2 INFO step 1`,
     # `1796297283.230 r0 INFO ...`, `11:18:28.879 rank3: ...`): `rN` only before a level word

@@ -127,14 +127,14 @@ def _stamp_then_r(buf, c, head_end):
 
 @njit(cache=True, nogil=True)
 def _after_a_bracket(buf, c, p, head_end):
-    """Whether the "rank" at p follows `]` (or a letter: a level word such as `ERROR`, which the exact path
-    checks) and blanks and is followed by ` ?digits: `."""
+    """Whether the "rank" at p follows `]` (or a letter: a level word such as `ERROR`, or a colon: a logger's
+    name after the level, which the exact path checks) and blanks and is followed by ` ?digits: `."""
     k = p - 1
     if k < c or not (buf[k] == 32 or buf[k] == 9):
         return False
     while k >= c and (buf[k] == 32 or buf[k] == 9):
         k -= 1
-    if k < c or not (buf[k] == 93 or 97 <= (buf[k] | 32) <= 122):
+    if k < c or not (buf[k] == 93 or buf[k] == 58 or 97 <= (buf[k] | 32) <= 122):
         return False
     k = p + 4
     if k < head_end and buf[k] == 32:
