@@ -1,6 +1,6 @@
 """A worker that ends itself after a line saying why it gives up (`...; aborting`), and a data set's split saved
 with torch.save and read back with torch.load (`pairs/market_2_val.pt`). Real CPU runs of torch 2.13
-(sample_logs/cpu_adhoc, the 265th-269th batches and earlier ones, each labelled before triage ran; the test names
+(sample_logs/cpu_adhoc, the 265th-284th batches and earlier ones, each labelled before triage ran; the test names
 the run)."""
 
 from __future__ import annotations
@@ -52,3 +52,29 @@ def test_a_data_split_read_with_torch_load_is_a_missing_file_not_a_checkpoint():
 def test_a_split_name_with_a_checkpoints_word_stays_a_checkpoint(name, tmp_path):
     rc = edited_report("oflw_archive_np4_r3_filter", "market_2_val.pt", name, tmp_path)["root_cause"]
     assert rc["category"] == "checkpoint"
+
+
+def test_a_giving_up_line_flushed_before_the_ranks_buffered_stdout_is_still_the_root():
+    # --tee: `[default3]:rank 3: edge batch 1 has 3 payments timestamped in the future; aborting` (stderr, line 6),
+    # then rank 3's buffered stdout (`rank 3/4 loaded ...`, `rank 3 step 0 ...`) flushed as it exits with 3
+    rc = sample_report("edgc_exit3_np4_r3_tee")["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == ("python.logged_error", "python_exception", 3, 6)
+
+
+def test_a_scripts_error_record_behind_a_loops_own_rank_label_is_the_root():
+    # a bash loop labels each rank's lines with sed: `[rank 2] rank 2: ERROR demand shard ... has 0 rows after the
+    # promo filter`, then os._exit(8); the others' `Connection closed by peer` tracebacks follow
+    rc = sample_report("tftl_exit8_np3_r2_ranklabel")["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == ("python.logged_error", "python_exception", 2, 7)
+
+
+@pytest.mark.parametrize("slug, rank", [
+    # `rank 1 step 1 loss ... lesion 0.000rank 0 step 1 loss ...` (two unbuffered ranks of a bash loop glued on one
+    # line), rank 2's step 1, then `rank 2: counting connected lesion components for the step-2 stats` and the end
+    ("mseg_flood_np3_r2_bashloop", 2),
+    ("chrt_viterbi_np3_r2_bashloop", 2),
+])
+def test_ranks_bare_lines_glued_on_one_line_are_read_apart_where_the_output_stops(slug, rank):
+    report = sample_report(slug)
+    rc = report["root_cause"]
+    assert (report["verdict"], rc["category"], rc["rank"]) == ("hung", "hang", rank)

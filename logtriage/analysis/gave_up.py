@@ -1,5 +1,6 @@
-"""A worker that said why it gave up: its own last line before the launcher reported its exit code
-(`rank 2: shard part-002.npz has 0 rows after the label filter; aborting`). The exit code is then no
+"""A worker that said why it gave up: its own line, before the launcher reported its exit code, that ends on
+the word that it gives up, after a reason (`rank 2: shard part-002.npz has 0 rows after the label filter;
+aborting`). The exit code is then no
 failure without a message: the program ended itself on purpose, and its line says why."""
 
 from __future__ import annotations
@@ -8,13 +9,13 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.hangs import fallback_rule
-from logtriage.analysis.last_lines import last_worker_lines
+from logtriage.analysis.last_lines import pieces_before
 from logtriage.analysis.live_errors import EXIT_RULE
 from logtriage.analysis.roots import RootCause
 from logtriage.analysis.stopped import line_finding
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
-from logtriage.demux.streams import StreamKey
+from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.scan_result import ScanResult
 
 LOGGED_RULE = "python.logged_error"
@@ -27,6 +28,7 @@ _GIVES_UP = re.compile(r"\w.*?\S(?:[;,:]| -+| ?[–—]) *(?:aborting|giving up|
 # a reason's own words, beyond the rank's label (`rank 2: ...`, `[rank 3] ...`)
 _RANK_LABEL = re.compile(r"^\W*(?:rank|worker|proc(?:ess)?)\W*\d+\W*", re.IGNORECASE)
 _MIN_REASON_WORDS = 3
+_WORKER_KINDS = frozenset({StreamKind.RANK, StreamKind.UNATTRIBUTED})
 
 
 def gave_up_before_exit(scan: ScanResult, keys: list[StreamKey], root: RootCause, catalog: Catalog) -> RootCause:
@@ -35,16 +37,19 @@ def gave_up_before_exit(scan: ScanResult, keys: list[StreamKey], root: RootCause
     f = root.finding
     if root.rule.id != EXIT_RULE or root.rank is None or f is None:
         return root
-    _, by_rank = last_worker_lines(scan, keys, f.source, f.line)
-    last = by_rank.get(root.rank)
-    if last is None or not _GIVES_UP.match(last[1]):
-        return root
-    reason = _RANK_LABEL.sub("", _GIVES_UP.match(last[1]).group(0))
-    if len(reason.split()) < _MIN_REASON_WORDS + 1:
+    # (its last such line, not only its last line: a rank's stdout, buffered, is flushed after the stderr it
+    # gave up on when it exits, `--tee`'s `rank 3 step 0 ...` after `rank 3: edge batch 1 has ...; aborting`)
+    last = None
+    for number, stream, rank, piece in pieces_before(scan, keys, f.source, f.line):
+        piece = piece.strip()
+        if rank == root.rank and stream.kind in _WORKER_KINDS and _GIVES_UP.match(piece) and \
+                len(_RANK_LABEL.sub("", piece).split()) >= _MIN_REASON_WORDS + 1:
+            last = (number, piece)
+    if last is None:
         return root
     rule = catalog.get(LOGGED_RULE) or fallback_rule(
         LOGGED_RULE, Category.PYTHON_EXCEPTION, "The script logged an error and exited")
     finding = replace(line_finding(scan, keys, rule, (f.source, last[0], last[1])), rank=root.rank)
     return replace(root, rule=rule, finding=finding, confidence=max(root.confidence, 0.5), reasons=root.reasons + (
-        f"rank {root.rank}'s last line before its exit (line {last[0]}) says why it gave up: the program ended "
+        f"rank {root.rank}'s line before its exit (line {last[0]}) says why it gave up: the program ended "
         "itself on that error, and the exit code only confirms it",))
