@@ -1,7 +1,7 @@
 """A worker that said why it gave up: its own line, before the launcher reported its exit code, that ends on
 the word that it gives up, after a reason (`rank 2: shard part-002.npz has 0 rows after the label filter;
-aborting`). The exit code is then no
-failure without a message: the program ended itself on purpose, and its line says why."""
+aborting`). The exit code is then no failure without a message: the program ended itself on purpose, and its
+line says why."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ _WORKER_KINDS = frozenset({StreamKind.RANK, StreamKind.UNATTRIBUTED})
 
 
 def gave_up_before_exit(scan: ScanResult, keys: list[StreamKey], root: RootCause, catalog: Catalog) -> RootCause:
-    """An exit-code root whose rank's last line before the exit says it gives up, and why: the root is
-    that line, the program's own error message."""
+    """An exit-code root whose rank said, in the lines before its exit, that it gives up and why: the root
+    is that line, the program's own error message."""
     f = root.finding
     if root.rule.id != EXIT_RULE or root.rank is None or f is None:
         return root
