@@ -78,3 +78,16 @@ def test_ranks_bare_lines_glued_on_one_line_are_read_apart_where_the_output_stop
     report = sample_report(slug)
     rc = report["root_cause"]
     assert (report["verdict"], rc["category"], rc["rank"]) == ("hung", "hang", rank)
+
+
+def test_a_data_folder_named_for_keypoints_holds_data():
+    # `torch.load(f"{WORK}/keypoints_v2/{ds}_2d.pt")`: FileNotFoundError for `.../keypoints_v2/h36m_2d.pt`
+    rc = sample_report("hpe_noarchive_np3_r2_wrapper")["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.file_not_found", "python_exception", 2)
+
+
+def test_a_ranks_own_error_line_says_why_before_the_launchers_signal_says_how():
+    # `rank 2: ERROR overlap user table is stale (...); refusing to continue`, then `terminate called without an
+    # active exception` (sys.exit with a live thread) and the agent's `failed (exitcode: -6) local_rank: 2`
+    rc = sample_report("cdr_exit3_np3_r2_pymodule")["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == ("python.logged_error", "python_exception", 2, 26)

@@ -106,3 +106,28 @@ def test_a_rank_that_went_on_alone_behind_a_loggers_name_names_the_hang():
     # `2026-12-05 15:39:51,756 INFO vqvae: rank 2: re-initialising dead codes with k-means` after rank 2's step 1,
     # the others' step 1 and nothing more before `timeout` stopped the job: rank 2 left the loop they waited in
     assert verdict_and_root("vqv_kmeans_np3_r2_plain") == ("hung", "hang.stopped_while_waiting", "hang", 2)
+
+
+@pytest.mark.parametrize("slug", [
+    # every rank's last line is `rank N: recall@5 0.1146 (global hits 22/192)` after its step 4, and nothing more
+    "poi_none_np3_rnone_plain",
+    "tsad_none_np3_rnone_bashloop",
+])
+def test_a_run_whose_ranks_all_end_on_the_same_result_finished(slug):
+    report = sample_report(slug)
+    assert (report["verdict"], report["root_cause"]) == ("ok", None)
+
+
+@pytest.mark.parametrize("old, new", [
+    # one rank says something else last: not the same result on every rank
+    ("[rank 1]: recall@5", "rank 1: waiting for rank 0's"),
+    # the shared last line says it is waiting
+    ("(global hits 22/192)", "(waiting for the report 3)"),
+])
+def test_ranks_ending_on_lines_that_differ_or_wait_still_stop(old, new, tmp_path):
+    text = (SAMPLES / "poi_none_np3_rnone_plain.log").read_text()
+    old = old if old in text else old.replace("[rank 1]:", "rank 1:")
+    assert old in text
+    report = edited_report("poi_none_np3_rnone_plain", old, new, tmp_path)
+    assert report["verdict"] == "hung" and report["root_cause"]["category"] == "hang"
+

@@ -56,7 +56,9 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
         specific, onset = from_first_logged_sign(specific, live)
         # a logged record yields to what its rank's own later error says (it dates that error)
         specific = [f for f in specific if f.rule.id != LOGGED_RULE or not any(
-            g.rank == f.rank and g.rule.id != LOGGED_RULE for g in specific)] or specific
+            g.rank == f.rank and g.rule.id != LOGGED_RULE and not _launcher_signal(g) for g in specific)] or specific
+        specific = [f for f in specific if not _launcher_signal(f) or not any(
+            g.rank == f.rank and g.rule.id == LOGGED_RULE for g in specific)] or specific
         return _group_root(specific, live, facts, confidence, onset)
     timeouts = [f for f in live if f.category is Category.COLLECTIVE_TIMEOUT and f.role is not Role.CAUSE_CONFIRMATION]
     if timeouts:
@@ -72,6 +74,11 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
 
 # what a job stopped by the scheduler shows as its stop, not as an error of its own
 _STOP_ECHOES = frozenset({Category.EXTERNAL_STOP, Category.CRASH_SIGNAL, Category.UNKNOWN, Category.HANG})
+
+
+def _launcher_signal(finding: Finding) -> bool:
+    """The launcher's report of the signal a rank died of (torchelastic's `failed (exitcode: -6) local_rank: 2`)."""
+    return finding.category is Category.CRASH_SIGNAL and finding.attributed_by == "launcher"
 
 
 def _notice_of_own_exit(finding: Finding, either: list[Finding]) -> bool:
