@@ -91,3 +91,30 @@ def test_a_ranks_own_error_line_says_why_before_the_launchers_signal_says_how():
     # active exception` (sys.exit with a live thread) and the agent's `failed (exitcode: -6) local_rank: 2`
     rc = sample_report("cdr_exit3_np3_r2_pymodule")["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == ("python.logged_error", "python_exception", 2, 26)
+
+
+@pytest.mark.parametrize("slug, rank", [
+    # `torch.load(os.path.join(WORK, cfg["archive"], "archive.pt"))`: `.../signs_v2/archive.pt`
+    ("tsr_noarchive_np3_r1_legacy", 1),
+    # `torch.load(f"{WORK}/{store_dir}/store.pt")` under Open MPI's `--tag-output`: `.../tables_v2/store.pt`
+    ("qae_nostore_np3_r2_mpitag", 2),
+])
+def test_a_file_named_for_a_store_of_data_is_data(slug, rank):
+    rc = sample_report(slug)["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.file_not_found", "python_exception", rank)
+
+
+@pytest.mark.parametrize("slug, rank", [
+    # a bash loop, each rank's lines labelled by sed: `./loop.sh: line 19:   490 Killed   $PY fault294.py ...`
+    ("rgnn_sigkill_np4_r3_ranklabel", 3),
+    # the same under Open MPI's label: gloo's `Connection closed by peer` on the others says the job is a CPU one
+    ("tcna_kill_np3_r1_mpitag", 1),
+])
+def test_a_shells_killed_on_a_cpu_job_is_the_signal_not_the_oom_killer(slug, rank):
+    rc = sample_report(slug)["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("signal.sigkill", "crash_signal", rank)
+
+
+def test_a_shells_killed_with_no_sign_of_a_cpu_job_stays_the_oom_killer(tmp_path):
+    report = edited_report("rgnn_sigkill_np4_r3_ranklabel", "gloo", "nccl", tmp_path)
+    assert report["root_cause"]["rule_id"] == "host.oom_killer"

@@ -57,8 +57,10 @@ _DATA_FOLDERS = (r"/(?:clips|series|audio|wavs?|signals?|frames|videos?|corpus|c
 _NO_CHECKPOINT_WORD = (r"(?![^/']*(?:rank|step|epoch|iter|ckpt|checkpoint|model|snap|ema|optim|state|weight|net|best|"
                        r"last|final|init))")
 _INDEXED_PIECE = r"/" + _NO_CHECKPOINT_WORD + r"[A-Za-z]+(?:[_-][A-Za-z]{2,})*[_-]?\d+\.pth?(?=')"
-# a data set's split saved with torch.save, the split's name last (`pairs/market_2_val.pt`: cpu_adhoc 267th batch)
-_SPLIT_PIECE = r"/" + _NO_CHECKPOINT_WORD + r"[\w-]*[_-](?:train|val|valid|validation|test|eval|dev)\.pth?(?=')"
+# a data set's split saved with torch.save, the split's name last (`pairs/market_2_val.pt`: cpu_adhoc 267th batch),
+# or a file named for a store of data (`signs_v2/archive.pt`, `tables_v2/store.pt`, `gloss_inventory.pt`: 289th-291st)
+_SPLIT_PIECE = (r"/" + _NO_CHECKPOINT_WORD + r"(?:[\w-]*[_-](?:train|val|valid|validation|test|eval|dev)|"
+                r"[\w-]*(?:archive|store|inventory|dataset|corpus)[\w-]*)\.pth?(?=')")
 _DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:(?<![\w.-])data[\w.-]*/|/shards?/|" + _MODEL_OUTPUTS + "|"
                         + _DATA_FOLDERS + "|" + _INDEXED_PIECE + "|" + _SPLIT_PIECE + "|"
                         r"tokeni[sz]ed|tokens[/_.]|partitions?[/_.]|/part_\d+\.|/shard[_-]\d+\.|"
