@@ -171,9 +171,10 @@ def _every_rank_reported_its_result(scan: ScanResult, keys: list[StreamKey], tai
         OWN_RANK.sub("", text))) and _NO_TROUBLE.match(text) is not None
 
 
-# nothing of errors, waiting or a timeout in a line
-_NO_TROUBLE = re.compile(r"^(?!.*\b(?:error|fail\w*|warn\w*|wait\w*|timed? ?out|retr\w*|stuck|skipp\w*)\b)",
-                         re.IGNORECASE)
+# nothing of errors, waiting or a timeout in a line, no work under way (`evaluating 8 batches`, `done loading`), and
+# no word of being done, which the sign-off reading (_SIGNED_OFF) judges
+_NO_TROUBLE = re.compile(r"^(?!.*\b(?:error|fail\w*|warn\w*|wait\w*|timed? ?out|retr\w*|stuck|skipp\w*|done|"
+                         r"finished|completed?|[a-z]{2,}ing)\b)", re.IGNORECASE)
 
 
 def _without_environment_report(tail: list[TailLine]) -> list[TailLine]:
