@@ -47,7 +47,6 @@ from logtriage.analysis.signal_readings import (
     agent_sigkills,
     hangup_forwarded,
     notices_in_teardown,
-    shell_killed_on_cpu_job,
     sigkill_on_gpu_job,
     stop_after_task_failure,
     stop_for_memory,
@@ -131,8 +130,6 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = timer_reaped(waited_for_a_crash(refused_result_first(root, findings), findings), findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
         root = sigkill_on_gpu_job(root, findings, catalog)
-    elif root is not None and scan.cpu_backend:
-        root = shell_killed_on_cpu_job(root, catalog)
     if root is not None:
         root = own_source_compile_error(scan, unresolved_host(root, findings), catalog)
     if root is not None and root.rule.id == "nccl.invalid_rank":

@@ -6,8 +6,6 @@ teardown alone says a worker failed whose error the log does not hold."""
 
 from __future__ import annotations
 
-import re
-
 from dataclasses import replace
 
 from logtriage.analysis.findings import SRUN_TASK_NOTICE, Finding
@@ -71,24 +69,6 @@ def sigkill_on_gpu_job(root: RootCause, findings: list[Finding], catalog: Catalo
               "always the kernel's OOM killer (host memory). `dmesg -T | grep -i oom` on the node confirms "
               "it; if it shows nothing, look for a scheduler limit or a manual kill")
     return replace(root, rule=rule, reasons=root.reasons + (reason,), confidence=min(root.confidence, 0.6))
-
-
-# a shell's own word that a child died of SIGKILL (`./run.sh: line 19:   490 Killed    python train.py`, a bare
-# `Killed`): the signal, not who sent it
-_SHELL_KILLED = re.compile(r"^\s*Killed\s*$|: line \d+: +\d+ Killed +")
-
-
-def shell_killed_on_cpu_job(root: RootCause, catalog: Catalog) -> RootCause:
-    """A shell's `Killed` for a worker of a CPU/gloo job, with no line of the kernel's: on a CPU job nothing says
-    the OOM killer sent it more than anyone else (a rank that kills itself, `kill -9`, a limit), so the root is
-    the signal, with how to tell the senders apart."""
-    f = root.finding
-    rule = catalog.get(SIGKILL_RULE)
-    if rule is None or f is None or root.rule.id != "host.oom_killer" or not _SHELL_KILLED.search(f.text):
-        return root
-    return replace(root, rule=rule, confidence=min(root.confidence, 0.6), reasons=root.reasons + (
-        "the shell says the worker was killed (SIGKILL) and no kernel line says the OOM killer sent it: on a CPU "
-        "job that is the signal alone; `dmesg -T | grep -i oom` on the node tells the OOM killer from a kill",))
 
 
 SIGNAL_EXCEPTION_RULE = "launcher.signal_exception"

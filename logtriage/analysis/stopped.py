@@ -9,8 +9,9 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from logtriage.analysis.findings import Finding, mask_numbers
+from logtriage.analysis.findings import Finding
 from logtriage.analysis.hangs import FINISHED_RULE, fallback_rule
+from logtriage.analysis.signed_off import SIGNED_OFF, every_rank_reported_its_result, every_rank_signed_off
 from logtriage.analysis.refine import stopped_while_waiting_rule
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.timestamps import parse_stamp
@@ -53,8 +54,12 @@ def output_stopped(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]
     the run finished."""
     last = next((line for line in reversed(_without_environment_report(tail))
                  if _JOB_OUTPUT.search(line[2]) and not reporters_words(line[2])), None)
-    if last is None or _every_rank_signed_off(scan, keys, tail, facts) or _ended_on_its_result(scan, keys, tail) or \
-            _every_rank_reported_its_result(scan, keys, tail, facts):
+    if last is None:
+        return None
+    messages = [(source, number, message_of(text)) for source, number, text in tail]
+    ranked = [(message, _rank_of(scan, keys, source, number, message)) for source, number, message in messages]
+    if every_rank_signed_off(ranked, facts) or _ended_on_its_result(scan, keys, tail) or \
+            every_rank_reported_its_result(ranked, facts):
         return None
     number = last[1]
     rule = catalog.get("hang.output_stopped") or fallback_rule(
@@ -72,21 +77,6 @@ def output_stopped(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]
                      tuple(reasons))
 
 
-# a rank's own last word that its work is over (`rank 0 final 11.1705 done`, `[r2] eval finished`)
-# a last line that ends on the word, or that sums the run up after it (`rank 3 done: 20 steps, mean loss
-# 1.4187`, `finished, final loss 1.37`, `done, best f1 0.7222`, `done samples 256`, `done 8 steps 0.41 loss`:
-# only counts and their names to the line's end; a name of up to three words, a value with a sign: `done: 5
-# updates, mean return -0.300`, `done: precision 1.000 recall 0.379, 11 windows flagged on 3 machines`); not one
-# that goes on to wait (`done, waiting for the report`)
-_COUNT = r"(?:[a-z_]+(?:\s+[a-z_]+){0,2}\s*[=:]?\s*[-+]?\d[\d.,]*|\d[\d.,]*\s+[a-z_]+(?:\s+[a-z_]+){0,2})"
-_SIGNED_OFF = re.compile(r"\b(?:done|finished|completed?|exiting)[.!]?\s*$|\b(?:done|finished|completed?)[:,]\s+"
-                         r"(?:\d+\s+(?:steps?|epochs?|iterations?|iters?|batches)\b|(?:final|mean|avg|average|last|best)"
-                         r"\s+(?:(?:loss|acc(?:uracy)?|metric)\b|[a-z][\w@-]*\s*[=:]?\s*[-+]?\d[\d.]*\s*$))"
-                         rf"|\b(?:done|finished|completed?)[:,]?\s+(?!.*\b(?:wait\w*|retr\w*|error|fail\w*|timed? ?out|stuck)\b)"
-                         rf"{_COUNT}(?:[,;]?\s+{_COUNT})*[.]?\s*$", re.IGNORECASE)
-# a line that sums a finished run up (`final val_loss 0.2204`, `best acc 0.91`), and says nothing of errors
-_SUMMED_UP = re.compile(r"^(?!.*\b(?:error|fail\w*|warn\w*|wait\w*|timed? ?out)\b).*\b(?:final|total|best|summary)\b",
-                        re.IGNORECASE)
 # pdsh's `worker-1: ` before a line read back (the demuxer's dialect is not kept with the scan)
 PDSH_HOST = re.compile(r"^[\w.-]+: (?=\S)")
 
@@ -120,7 +110,7 @@ def _ended_on_its_result(scan: ScanResult, keys: list[StreamKey], tail: list[Tai
     before = -1     # the highest step printed so far
     for at, (source, number, text) in enumerate(tail):
         message = message_of(text)
-        ended = (_SAVED.search(message) or _SIGNED_OFF.search(message)) and not _SOURCE_TAG.search(text)
+        ended = (_SAVED.search(message) or SIGNED_OFF.search(message)) and not _SOURCE_TAG.search(text)
         if ended and before >= 0:
             rank = _rank_of(scan, keys, source, number, message)
             after = [(s, n, message_of(t)) for s, n, t in tail[at + 1:] if s == source]
@@ -130,51 +120,6 @@ def _ended_on_its_result(scan: ScanResult, keys: list[StreamKey], tail: list[Tai
         step = step_number(message)
         before = before if step is None else max(before, step)
     return False
-
-
-def _every_rank_signed_off(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine], facts: RankFacts) -> bool:
-    """Every known rank's last line in the log's end says it is done, or sums the run up after a line
-    that did: each rank finished its script (and the launcher, at its default log level, prints nothing on success)."""
-    signed: dict[int, bool] = {}
-    for source, number, text in tail:
-        message = message_of(text)
-        rank = _rank_of(scan, keys, source, number, message)
-        if rank is not None:
-            # a sum-up after the word (`done`, then `final val_loss 0.22`) keeps the rank signed off
-            signed[rank] = bool(_SIGNED_OFF.search(message)) or (
-                signed.get(rank, False) and bool(_SUMMED_UP.search(message)))
-    return bool(facts.known) and facts.known <= signed.keys() and all(signed[rank] for rank in facts.known)
-
-
-# a result's name and value (`recall@5 0.1146`, `val_acc=0.91`, `mpjpe: 41.2`)
-_RESULT = re.compile(r"\b[a-z][\w@./-]*\s*[=:]?\s*[-+]?\d")
-
-
-def _every_rank_reported_its_result(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine],
-                                    facts: RankFacts) -> bool:
-    """Every known rank's last line in the log's end is the same result after its progress lines, numbers aside
-    (`rank 0: recall@5 0.1146 (global hits 22/192)` on every rank, after each one's last step), and says nothing of
-    errors or waiting: each rank reached its script's last print (a result every rank computes together)."""
-    last: dict[int, str] = {}
-    stepped = False
-    for source, number, text in tail:
-        message = message_of(text)
-        rank = _rank_of(scan, keys, source, number, message)
-        stepped = stepped or step_number(message) is not None
-        if rank is not None and stepped:
-            last[rank] = message
-    if len(facts.known) < 2 or not facts.known <= last.keys():
-        return False
-    texts = {mask_numbers(last[rank]) for rank in facts.known}
-    text = last[min(facts.known)]
-    return len(texts) == 1 and step_number(text) is None and bool(_RESULT.search(
-        OWN_RANK.sub("", text))) and _NO_TROUBLE.match(text) is not None
-
-
-# nothing of errors, waiting or a timeout in a line, no work under way (`evaluating 8 batches`, `done loading`), and
-# no word of being done, which the sign-off reading (_SIGNED_OFF) judges
-_NO_TROUBLE = re.compile(r"^(?!.*\b(?:error|fail\w*|warn\w*|wait\w*|timed? ?out|retr\w*|stuck|skipp\w*|done|"
-                         r"finished|completed?|[a-z]{2,}ing)\b)", re.IGNORECASE)
 
 
 def _without_environment_report(tail: list[TailLine]) -> list[TailLine]:
