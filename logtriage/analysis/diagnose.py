@@ -14,7 +14,8 @@ from logtriage.analysis.environment import Environment, collect_environment
 from logtriage.analysis.exceptions import checkpoint_io, frame_reading, probe_json_without_banner
 from logtriage.analysis.ext_build import own_source_compile_error
 from logtriage.analysis.gave_up import gave_up_before_exit
-from logtriage.analysis.fallback_roots import cut_traceback, exit_only_root, unrecognised_exception
+from logtriage.analysis.fallback_roots import (cut_traceback, exit_one_output_elsewhere, exit_only_root,
+                                              unrecognised_exception)
 from logtriage.analysis.summary_exceptions import error_file_exception, same_error_in_summary
 from logtriage.analysis.findings import Finding, resolve_findings, srun_tasks_are_nodes
 from logtriage.analysis.hangs import (
@@ -161,6 +162,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
                                      catalog)
     if root is not None:
         root = gave_up_before_exit(scan, keys, writer_behind_readers(root, findings), catalog)
+    if root is not None:
+        root = exit_one_output_elsewhere(root, scan, {k: s.lines for k, s in stream_stats.items()}, failures, catalog)
     if root is None:
         root = cut_traceback(scan, keys, catalog)
     if root is None:

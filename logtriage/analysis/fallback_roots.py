@@ -3,6 +3,8 @@ printed, a traceback cut before its exception line. Never an empty report for a 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from logtriage.analysis.childfailed import ChildFailure, is_own_failure
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.hangs import fallback_rule
@@ -11,6 +13,7 @@ from logtriage.analysis.signal_readings import exit_rule
 from logtriage.analysis.stopped import message_of
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
+from logtriage.demux.launcher import LAUNCH_BANNER
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.ingest.lines import read_lines
 from logtriage.scan_result import ScanResult
@@ -24,6 +27,32 @@ def exit_only_root(failures: list[ChildFailure], catalog: Catalog) -> RootCause 
     rule = exit_rule(catalog)
     return RootCause(rule, None, first.rank, (first.rank,) if first.rank is not None else (), 0.3,
                      (f"rank {first.rank} exited with code {first.exitcode}; its output holds no error",))
+
+
+OUTPUT_ELSEWHERE = "python.exit_one_output_elsewhere"
+# the streams a console whose workers wrote to files still has
+_AGENT_KINDS = (StreamKind.LAUNCHER, StreamKind.BANNER, StreamKind.PROBE)
+
+
+def exit_one_output_elsewhere(root: RootCause, scan: ScanResult, line_counts: dict[StreamKey, int],
+                              failures: list[ChildFailure], catalog: Catalog) -> RootCause:
+    """An exit code 1 with no message, in a console that holds torchrun's whole run (its start-up
+    banner, then the summary) and not one line of any worker: the workers wrote to files
+    (`--redirects`), and 1 is the interpreter's exit on an uncaught exception. A paste of the
+    summary alone (no banner) says nothing of where the output went, and stays an exit code."""
+    if root.rule.id != exit_rule(catalog).id or root.rank is None:
+        return root
+    codes = {f.exitcode for f in failures if f.rank == root.rank}
+    if codes != {1} or not any(LAUNCH_BANNER.search(text) for _, _, text in scan.launcher_lines[:50]):
+        return root
+    if any(count for key, count in line_counts.items() if key.kind not in _AGENT_KINDS):
+        return root
+    rule = catalog.get(OUTPUT_ELSEWHERE) or fallback_rule(OUTPUT_ELSEWHERE, Category.PYTHON_EXCEPTION,
+                                                          "A worker exited with code 1 and its output went elsewhere")
+    return replace(root, rule=rule, confidence=min(root.confidence, 0.35), reasons=root.reasons + (
+        f"torchrun's console holds its start-up and the failure summary but no line of any worker (their "
+        f"output went to files: `--redirects`); exit code 1 is Python's exit on an uncaught exception, whose "
+        f"traceback is in rank {root.rank}'s own stderr file",))
 
 
 def unrecognised_exception(scan: ScanResult, keys: list[StreamKey], catalog: Catalog,
