@@ -261,5 +261,6 @@ def test_expectation_conventions():
     assert by_name["rank0_collective__others_exit_np2"].rank == 0
     assert by_name["rank_exception__local_ranks_filter0"].rule == "signal.exit_nonzero"
     assert by_name["rank_exception__local_ranks_filter0"].category == "unknown"
+    assert by_name["rank_exception__tee3_local_ranks_filter0"].rule == "python.exit_one_output_elsewhere"
     assert by_name["loader_worker_crash__sigkill_np2"].category == "crash_signal"
     assert registry.get_scenario("rank0_collective").expect.rank is RankRef.LOWEST

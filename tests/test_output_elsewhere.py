@@ -1,7 +1,8 @@
 """A torchrun console whose workers wrote to files (`--redirects 3 --log-dir`): the agent's start-up banner, its
-teardown and the failure summary, and not one line of any worker. A worker's exit code 1 there is read as the
-interpreter's exit on an uncaught exception (`python.exit_one_output_elsewhere`); a paste of the summary alone, another
-exit code, or a console that holds a worker's line keeps the bare exit code. Real CPU runs of torch 2.13
+teardown and the failure summary, and not one line of any worker (with `--tee 3 --local-ranks-filter`, only other
+ranks' labelled lines). A worker's exit code 1 there is read as the interpreter's exit on an uncaught exception
+(`python.exit_one_output_elsewhere`); a paste of the summary alone, another exit code, or a console that holds a line
+no rank's label claims keeps the bare exit code. Real CPU runs of torch 2.13
 (sample_logs/cpu_adhoc, labelled before triage ran; the test names the run)."""
 
 from __future__ import annotations
@@ -26,6 +27,19 @@ def test_exit_code_one_with_every_workers_output_elsewhere_is_a_python_exception
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.exit_one_output_elsewhere", "python_exception", rank)
     assert rc["line"] == line or line is None
     assert report["unattributed_lines"] == 0 and all(r["lines"] == 0 for r in report["ranks"])
+
+
+@pytest.mark.parametrize("slug, rank", [
+    # `--tee 3 --local-ranks-filter 0`: ranks 0-6's lines all carry their `[defaultN]:` labels, none is rank 7's
+    ("end_eval_key_np8_r7_filter", 7),
+    ("io_rank0barrier_np3_r1_filter", 1),
+])
+def test_exit_code_one_of_a_rank_whose_lines_were_filtered_out_is_a_python_exception(slug, rank):
+    report = sample_report(slug)
+    rc = report["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.exit_one_output_elsewhere", "python_exception", rank)
+    lines = {r["rank"]: r["lines"] for r in report["ranks"]}
+    assert lines.get(rank, 0) == 0 and sum(lines.values()) > 0 and report["unattributed_lines"] == 0
 
 
 def test_the_summary_alone_stays_an_exit_code(tmp_path):

@@ -37,21 +37,23 @@ _AGENT_KINDS = (StreamKind.LAUNCHER, StreamKind.BANNER, StreamKind.PROBE)
 def exit_one_output_elsewhere(root: RootCause, scan: ScanResult, line_counts: dict[StreamKey, int],
                               failures: list[ChildFailure], catalog: Catalog) -> RootCause:
     """An exit code 1 with no message, in a console that holds torchrun's whole run (its start-up
-    banner, then the summary) and not one line of any worker: the workers wrote to files
-    (`--redirects`), and 1 is the interpreter's exit on an uncaught exception. A paste of the
-    summary alone (no banner) says nothing of where the output went, and stays an exit code."""
+    banner, then the summary) and not one line of that worker: none of any worker (`--redirects`),
+    or only other ranks' labelled lines (`--tee 3 --local-ranks-filter 0`). Its output went to
+    files, and 1 is the interpreter's exit on an uncaught exception. A paste of the summary alone
+    (no banner), or a line no rank's label claims (it may be that worker's), stays an exit code."""
     if root.rule.id != exit_rule(catalog).id or root.rank is None:
         return root
     codes = {f.exitcode for f in failures if f.rank == root.rank}
     if codes != {1} or not any(LAUNCH_BANNER.search(text) for _, _, text in scan.launcher_lines[:50]):
         return root
-    if any(count for key, count in line_counts.items() if key.kind not in _AGENT_KINDS):
-        return root
+    if any(count for key, count in line_counts.items() if key.kind not in _AGENT_KINDS
+           and (key.kind is not StreamKind.RANK or key.rank == root.rank)):
+        return root   # a line no rank's label claims, or one of the failed rank's own
     rule = catalog.get(OUTPUT_ELSEWHERE) or fallback_rule(OUTPUT_ELSEWHERE, Category.PYTHON_EXCEPTION,
                                                           "A worker exited with code 1 and its output went elsewhere")
     return replace(root, rule=rule, confidence=min(root.confidence, 0.35), reasons=root.reasons + (
-        f"torchrun's console holds its start-up and the failure summary but no line of any worker (their "
-        f"output went to files: `--redirects`); exit code 1 is Python's exit on an uncaught exception, whose "
+        f"torchrun's console holds its start-up and the failure summary but no line of rank {root.rank} (its "
+        f"output went to files, `--redirects`, or was filtered out); exit code 1 is Python's exit on an uncaught exception, whose "
         f"traceback is in rank {root.rank}'s own stderr file",))
 
 

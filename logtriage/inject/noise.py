@@ -4,7 +4,9 @@ Launcher flags (tee, role, local-ranks filter, log dir), the prefix template, lo
 timestamped logging, progress bars, the environment probe line and other launchers (mpirun
 --tag-output when Open MPI is installed). Only the
 local-ranks filter changes what the log can show: the culprit's traceback is hidden, so the
-diagnosis can only be "rank N exited with 1" (from the ChildFailedError block).
+diagnosis can only be "rank N exited with 1" (from the ChildFailedError block); with --tee, the
+lines shown all carry rank 0's label, so rank N's output went elsewhere and its exit code 1 is read
+as an uncaught exception.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ HIDDEN_TRACEBACK = Expectation(
     Verdict.FAILED, "unknown", "signal.exit_nonzero", RankRef.FAULT,
     note="--local-ranks-filter 0 hides rank {fault}'s KeyError; only rank 0's gloo error and the "
          "ChildFailedError naming rank {fault} (exitcode 1) remain")
+# with --tee every line shown carries its rank's label: none is rank {fault}'s, so its output went elsewhere, and
+# its exit code 1 is the interpreter's on an uncaught exception
+FILTERED_TRACEBACK = Expectation(
+    Verdict.FAILED, "python_exception", "python.exit_one_output_elsewhere", RankRef.FAULT,
+    note="--local-ranks-filter 0 with --tee 3 hides rank {fault}'s KeyError; rank 0's lines are labelled, none is "
+         "rank {fault}'s, and the ChildFailedError names rank {fault} (exitcode 1)")
 
 RANK_EXCEPTION_NOISE = (
     Variant("tee3", launcher_args=TEE),
@@ -27,7 +35,7 @@ RANK_EXCEPTION_NOISE = (
     Variant("local_ranks_filter0", launcher_args=("--local-ranks-filter", "0"),
             expect=HIDDEN_TRACEBACK, evidence="Root Cause (first observed failure)"),
     Variant("tee3_local_ranks_filter0", launcher_args=(*TEE, "--local-ranks-filter", "0"),
-            expect=HIDDEN_TRACEBACK, evidence="Root Cause (first observed failure)"),
+            expect=FILTERED_TRACEBACK, evidence="Root Cause (first observed failure)"),
     Variant("prefix_template_tee3", launcher_args=TEE, env=PREFIX_TEMPLATE,
             evidence="|rank=1|local=1] "),
     Variant("loglevel_info", env=(("LOGLEVEL", "INFO"),)),
