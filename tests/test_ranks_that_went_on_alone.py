@@ -1,7 +1,8 @@
 """A hang stopped from outside where every rank's last line is one same message (numbers aside) but one
 rank's, which printed that message too and then went on alone: the others waited for it at the next
-collective. Real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the 210th-214th batches, each labelled before
-triage ran; the test names the run)."""
+collective; and a rank that printed its own work after the others' collective timeouts and only then lost its
+peers: it came to the collective late. Real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the 210th-214th and
+300th-301st batches, each labelled before triage ran; the test names the run)."""
 
 from __future__ import annotations
 
@@ -61,3 +62,17 @@ def test_a_last_line_that_opens_as_the_others_do_is_no_going_on(tmp_path):
     report = edited_report("midi_none_np3_rnone_plain", "saved model to /tmp/job_work/music_final.pt",
                            "evaluating the held-out songs", tmp_path)
     assert report["verdict"] == "hung" and report["root_cause"]["rank"] is None
+
+
+def test_the_rank_that_printed_its_work_after_the_others_timed_out_came_late():
+    # ranks 0 and 1 time out in the step-2 all_reduce (`Timed out waiting 12000ms for recv`); rank 2 then prints
+    # `rank 2 range coder: 420510 bytes` and loses its peers in the same all_reduce (cpu_adhoc 300th batch)
+    assert verdict_and_root("limc_entropy_np3_r2_srunlabel") == ("failed", "gloo.timeout", "collective_timeout", 2)
+    # one rank timed out (rank 1); ranks 0 and 2 lost their peers, and only rank 2 printed between (`rank 2 BPE
+    # done: 5072760 merges`): the one that timed out was a waiter (301st batch)
+    assert verdict_and_root("cint_bpe_np3_r2_srunlabel") == ("failed", "gloo.timeout", "collective_timeout", 2)
+
+
+def test_without_a_line_of_work_after_the_timeouts_no_rank_is_named(tmp_path):
+    report = edited_report("limc_entropy_np3_r2_srunlabel", "2: rank 2 range coder: 420510 bytes\n", "", tmp_path)
+    assert report["root_cause"]["rank"] is None

@@ -61,8 +61,9 @@ from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_nam
                                               oom_on_shared_gpu, rank0_model_differs, spawn_report_yields, timer_reaped, unresolved_host,
                                               waited_for_a_crash, writer_behind_readers)
 from logtriage.analysis.silent_first import silent_death_first
-from logtriage.analysis.stalls import (behind_ranks_ended, heartbeat_odd_one_out, heartbeats_before_stop,
-                                       late_rank_went_on, time_limit_ended_hang, watchdog_spared_rank)
+from logtriage.analysis.stalls import (behind_ranks_ended, came_late_to_the_collective, heartbeat_odd_one_out,
+                                       heartbeats_before_stop, late_rank_went_on, time_limit_ended_hang,
+                                       watchdog_spared_rank)
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
 from logtriage.analysis.waiting_lines import (stopped_after_one_went_on, stopped_before_all_stepped, stopped_in_startup,
                                              stopped_in_stride,
@@ -143,6 +144,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = loss_outlier_rank(scan, keys, p2p_sender_rank(root, findings))
         root = finite_invalid_values(scan, root, catalog)
         root = watchdog_spared_rank(late_rank_went_on(scan, keys, root, findings), findings, facts)
+        root = came_late_to_the_collective(scan, keys, root, findings)
         root = store_wait_after_progress(root, findings, facts, first_progress(stream_stats), catalog)
         root = own_server_port_taken(root, findings, catalog)
         root = rank0_model_differs(root, findings, facts.known)

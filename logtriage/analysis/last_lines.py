@@ -211,3 +211,24 @@ def at_work_alone(scan: ScanResult, keys: list[StreamKey], source: int, end: int
     said = {text for r, texts in lines.items() if r != rank for _, text in texts}
     late = [text for n, text in lines[rank] if n > others]
     return rank if workers >= 3 and len(late) >= 2 and any(text not in said for text in late) else None
+
+
+# a traceback's own lines (its header, frames, source lines and carets are indented or start so)
+_TRACEBACK_PART = re.compile(r"^(?:\s|Traceback \(most recent call last\)|\^|$)")
+
+
+def at_work_after_the_timeouts(scan: ScanResult, keys: list[StreamKey], first_wait: int,
+                               lost: dict[int, tuple[int, int]]) -> int | None:
+    """Of the ranks that did not time out but lost their peers (`lost`: rank -> (source, first line of its
+    traceback)), the one that printed a line of its own work after the first rank's timeout began (`first_wait`,
+    the first line of its traceback) and before its own traceback (`rank 2 BPE done: 5072760 merges`): it was
+    still at work when the others gave up, so it came to the collective late. Two such ranks say nothing."""
+    late = set()
+    for rank, (source, start) in lost.items():
+        if start <= first_wait:
+            continue
+        for number, _, owner, piece in pieces_before(scan, keys, source, start):
+            if first_wait < number and owner == rank and not _TRACEBACK_PART.match(piece):
+                late.add(rank)
+                break
+    return next(iter(late)) if len(late) == 1 else None

@@ -9,8 +9,8 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding, mask_numbers
-from logtriage.analysis.last_lines import (WINDOW, last_worker_lines, pieces_before, ranked_pieces, went_on_alone,
-                                          went_on_past_the_others)
+from logtriage.analysis.last_lines import (WINDOW, at_work_after_the_timeouts, last_worker_lines, pieces_before,
+                                          ranked_pieces, went_on_alone, went_on_past_the_others)
 from logtriage.analysis.odd_start import odd_line_out
 from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.refine import at_the_odd_step, stopped_while_waiting_rule
@@ -110,6 +110,32 @@ def late_rank_went_on(scan: ScanResult, keys: list[StreamKey], root: RootCause, 
     return replace(root, rank=rank, ranks=(rank,), reasons=root.reasons + (
         f"rank {rank}'s own last line before {'the first traceback' if timeout else 'the output stops'} says it "
         "went on to something else, or says other than every other rank's: the others waited for it there",))
+
+
+def came_late_to_the_collective(scan: ScanResult, keys: list[StreamKey], root: RootCause,
+                                findings: list[Finding]) -> RootCause:
+    """A collective timeout whose rank is unknown or one that timed out itself (a waiter): of the ranks that
+    did not time out but lost their peers, the one that printed its own work between the first timeout's
+    traceback and its own traceback was still at work when the others gave up (`at_work_after_the_timeouts`)."""
+    if root.finding is None or root.rule.category is not Category.COLLECTIVE_TIMEOUT:
+        return root
+    errors = [f for f in findings if f.is_error and f.rank is not None and f.block_id in scan.blocks]
+    waits = [f for f in errors if f.category is Category.COLLECTIVE_TIMEOUT]
+    timed_out = {f.rank for f in waits}
+    if not waits or (root.rank is not None and root.rank not in timed_out):
+        return root
+    first = min(waits, key=lambda f: (f.source, scan.blocks[f.block_id][1]))
+    lost: dict[int, tuple[int, int]] = {}
+    for f in errors:
+        if f.category is Category.COLLECTIVE_ERROR and f.rank not in timed_out and f.source == first.source:
+            start = scan.blocks[f.block_id][1]
+            lost[f.rank] = min(lost.get(f.rank, (f.source, start)), (f.source, start))
+    rank = at_work_after_the_timeouts(scan, keys, scan.blocks[first.block_id][1], lost)
+    if rank is None:
+        return root
+    return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.5), reasons=root.reasons + (
+        f"rank {rank} did not time out: it printed its own work after rank {first.rank}'s timeout began and only "
+        "then lost its peers, so it was still at work when the others gave up waiting for it",))
 
 
 def heartbeat_odd_one_out(scan: ScanResult, keys: list[StreamKey], root: RootCause) -> RootCause:
