@@ -1,7 +1,7 @@
 """A worker that ends itself after a line saying why it gives up (`...; aborting`), and a data set's split saved
-with torch.save and read back with torch.load (`pairs/market_2_val.pt`). Real CPU runs of torch 2.13
-(sample_logs/cpu_adhoc, the 265th-284th batches and earlier ones, each labelled before triage ran; the test names
-the run)."""
+with torch.save and read back with torch.load (`pairs/market_2_val.pt`), or any missing file whose path has no word
+of a checkpoint's (`lidar/velo_3_sweep2.pt`). Real CPU runs of torch 2.13 (sample_logs/cpu_adhoc, the 265th-299th
+batches and earlier ones, each labelled before triage ran; the test names the run)."""
 
 from __future__ import annotations
 
@@ -118,3 +118,21 @@ def test_a_shells_killed_on_a_cpu_job_is_the_signal_not_the_oom_killer(slug, ran
 def test_a_shells_killed_with_no_sign_of_a_cpu_job_stays_the_oom_killer(tmp_path):
     report = edited_report("rgnn_sigkill_np4_r3_ranklabel", "gloo", "nccl", tmp_path)
     assert report["root_cause"]["rule_id"] == "host.oom_killer"
+
+
+@pytest.mark.parametrize("slug, rank, path", [
+    # `torch.load(f"{WORK}/lidar/velo_{rank}_sweep2.pt")` and `specs/shard_{rank}_v2.pt`: nothing in the path a
+    # checkpoint's or a model's would hold (cpu_adhoc 296th and 299th batches)
+    ("dcmp_noscan_np5_r3_loglevel", 3, "lidar/velo_3_sweep2.pt"),
+    ("bsnd_nodata_np5_r3_loglevel", 3, "specs/shard_3_v2.pt"),
+])
+def test_a_missing_file_whose_path_has_no_word_of_a_checkpoint_is_data(slug, rank, path):
+    rc = sample_report(slug)["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.file_not_found", "python_exception", rank)
+    assert path in rc["text"]
+
+
+@pytest.mark.parametrize("name", ["velo_3_step2.pt", "velo_3_latest.pt", "weights_3.pt", "rank3.pt"])
+def test_a_missing_file_with_a_checkpoints_word_in_its_path_stays_a_checkpoint(name, tmp_path):
+    rc = edited_report("dcmp_noscan_np5_r3_loglevel", "velo_3_sweep2.pt", name, tmp_path)["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("ckpt.not_found", "checkpoint", 3)

@@ -53,8 +53,8 @@ def exit_one_output_elsewhere(root: RootCause, scan: ScanResult, line_counts: di
                                                           "A worker exited with code 1 and its output went elsewhere")
     return replace(root, rule=rule, confidence=min(root.confidence, 0.35), reasons=root.reasons + (
         f"torchrun's console holds its start-up and the failure summary but no line of rank {root.rank} (its "
-        f"output went to files, `--redirects`, or was filtered out); exit code 1 is Python's exit on an uncaught exception, whose "
-        f"traceback is in rank {root.rank}'s own stderr file",))
+        "output went to files, `--redirects`, or was filtered out); exit code 1 is Python's exit on an uncaught "
+        f"exception, whose traceback is in rank {root.rank}'s own stderr file",))
 
 
 def unrecognised_exception(scan: ScanResult, keys: list[StreamKey], catalog: Catalog,
