@@ -76,3 +76,12 @@ def test_the_rank_that_printed_its_work_after_the_others_timed_out_came_late():
 def test_without_a_line_of_work_after_the_timeouts_no_rank_is_named(tmp_path):
     report = edited_report("limc_entropy_np3_r2_srunlabel", "2: rank 2 range coder: 420510 bytes\n", "", tmp_path)
     assert report["root_cause"]["rank"] is None
+
+
+def test_of_the_ranks_that_never_joined_the_one_that_went_on_to_other_work_is_named(tmp_path):
+    # `--tee 3 --local-ranks-filter 0,1`: rank 0 times out in step 2's all_reduce; rank 1's last line is `rank 1
+    # filtering negatives against 96 known quadruples`, rank 2 prints nothing (filtered); both stopped by the agent
+    assert verdict_and_root("tkgr_slowneg_np3_r1_filter") == ("failed", "gloo.timeout", "collective_timeout", 1)
+    report = edited_report("tkgr_slowneg_np3_r1_filter",
+                           "[default1]:rank 1 filtering negatives against 96 known quadruples\n", "", tmp_path)
+    assert report["root_cause"]["rank"] is None and report["root_cause"]["ranks"] == [1, 2]

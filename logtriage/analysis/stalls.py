@@ -116,7 +116,10 @@ def came_late_to_the_collective(scan: ScanResult, keys: list[StreamKey], root: R
                                 findings: list[Finding]) -> RootCause:
     """A collective timeout whose rank is unknown or one that timed out itself (a waiter): of the ranks that
     did not time out but lost their peers, the one that printed its own work between the first timeout's
-    traceback and its own traceback was still at work when the others gave up (`at_work_after_the_timeouts`)."""
+    traceback and its own traceback was still at work when the others gave up (`at_work_after_the_timeouts`).
+    Where several ranks never joined, the one of them whose last line before the first traceback says it went
+    on to other work after its last step (`rank 1 filtering negatives against 96 known quadruples`), the
+    waiting ranks' last lines being that step's progress, was the one they waited for."""
     if root.finding is None or root.rule.category is not Category.COLLECTIVE_TIMEOUT:
         return root
     errors = [f for f in findings if f.is_error and f.rank is not None and f.block_id in scan.blocks]
@@ -125,17 +128,24 @@ def came_late_to_the_collective(scan: ScanResult, keys: list[StreamKey], root: R
     if not waits or (root.rank is not None and root.rank not in timed_out):
         return root
     first = min(waits, key=lambda f: (f.source, scan.blocks[f.block_id][1]))
+    began = scan.blocks[first.block_id][1]
     lost: dict[int, tuple[int, int]] = {}
     for f in errors:
         if f.category is Category.COLLECTIVE_ERROR and f.rank not in timed_out and f.source == first.source:
             start = scan.blocks[f.block_id][1]
             lost[f.rank] = min(lost.get(f.rank, (f.source, start)), (f.source, start))
-    rank = at_work_after_the_timeouts(scan, keys, scan.blocks[first.block_id][1], lost)
+    rank = at_work_after_the_timeouts(scan, keys, began, lost)
+    if rank is not None:
+        why = (f"rank {rank} did not time out: it printed its own work after rank {first.rank}'s timeout began and "
+               "only then lost its peers, so it was still at work when the others gave up waiting for it")
+    elif root.rank is None and len(root.ranks) >= 2:
+        rank = went_on_alone(scan, keys, first.source, began)
+        rank = rank if rank in root.ranks else None
+        why = (f"of the ranks that never joined, rank {rank}'s last line before the first traceback says it went on "
+               "to other work after its last step, where the waiting ranks' last lines are that step's progress")
     if rank is None:
         return root
-    return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.5), reasons=root.reasons + (
-        f"rank {rank} did not time out: it printed its own work after rank {first.rank}'s timeout began and only "
-        "then lost its peers, so it was still at work when the others gave up waiting for it",))
+    return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.5), reasons=root.reasons + (why,))
 
 
 def heartbeat_odd_one_out(scan: ScanResult, keys: list[StreamKey], root: RootCause) -> RootCause:
