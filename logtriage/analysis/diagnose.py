@@ -165,7 +165,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is not None:
         root = gave_up_before_exit(scan, keys, writer_behind_readers(root, findings), catalog)
     if root is not None:
-        root = exit_one_output_elsewhere(root, scan, {k: s.lines for k, s in stream_stats.items()}, failures, catalog)
+        root = exit_one_output_elsewhere(root, scan, stream_stats, failures, catalog)
     if root is None:
         root = cut_traceback(scan, keys, catalog)
     if root is None:

@@ -54,8 +54,8 @@ _DATA_FOLDERS = (r"/(?:clips|series|audio|wavs?|signals?|frames|videos?|corpus|c
 # one indexed piece of a data set saved with torch.save (`flows_v2/flow_1.pt`, `scans_v2/shard_003.pt`: cpu_adhoc
 # 210th-224th batches; `sessions/clicks_part2.pt`, words joined before the number: 243rd), its name no word of a
 # checkpoint's (`rank3.pt`, `step_12.pt`, `ema_step0150.pt` are one) and its number no version (`pretrained_v2.pt`)
-_NO_CHECKPOINT_WORD = (r"(?![^/']*(?:rank|step|epoch|iter|ckpt|checkpoint|model|snap|ema|optim|state|weight|net|best|"
-                       r"last|final|init))")
+_CHECKPOINT_WORDS = r"rank|step|epoch|iter|ckpt|checkpoint|model|snap|ema|optim|state|weight|net|best|last|final|init"
+_NO_CHECKPOINT_WORD = r"(?![^/']*(?:" + _CHECKPOINT_WORDS + "))"
 _INDEXED_PIECE = r"/" + _NO_CHECKPOINT_WORD + r"[A-Za-z]+(?:[_-][A-Za-z]{2,})*[_-]?\d+\.pth?(?=')"
 # a data set's split saved with torch.save, the split's name last (`pairs/market_2_val.pt`: cpu_adhoc 267th batch),
 # or a file named for a store of data (`signs_v2/archive.pt`, `tables_v2/store.pt`, `gloss_inventory.pt`: 289th-291st)
@@ -79,10 +79,10 @@ _CHECKPOINT_NAMED = re.compile(r"No such file or directory: '[^']*(?:checkpoint|
 # state, a step, a rank, a run, a pretrained or exported model; words matched inside others too, to err towards a
 # checkpoint): data saved with torch.save (`lidar/velo_3_sweep2.pt`, `specs/shard_1_v2.pt`: cpu_adhoc 296th, 299th
 # batches). Every labelled missing checkpoint of the earlier batches has one (114 of 114).
+_MODEL_PATH_WORDS = (_CHECKPOINT_WORDS + r"|latest|pretrain|resume|warm|param|teacher|student|encoder|decoder|backbone|"
+                     r"head|base|adapter|lora|tun|export|save|run|exp|trained|extract|检查点|模型")
 _NO_CHECKPOINT_WORD_IN_PATH = re.compile(
-    r"No such file or directory: '(?![^']*(?:rank|step|epoch|iter|ckpt|checkpoint|model|snap|ema|optim|state|weight|"
-    r"net|best|last|latest|final|init|pretrain|resume|warm|param|teacher|student|encoder|decoder|backbone|head|base|"
-    r"adapter|lora|tun|export|save|run|exp|trained|extract|检查点|模型))[^']*\.pth?'", re.IGNORECASE)
+    r"No such file or directory: '(?![^']*(?:" + _MODEL_PATH_WORDS + r"))[^']*\.pth?'", re.IGNORECASE)
 FILE_NOT_FOUND_RULE = "python.file_not_found"
 _MISSING_PATH = re.compile(r"is not a valid (?:directory|file|path)|does not exist|(?:not found|No such file)\b")
 # an object store answering that the key is not there (botocore's ClientError)

@@ -16,7 +16,7 @@ from logtriage.catalog.rule import Category
 from logtriage.demux.launcher import LAUNCH_BANNER
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.ingest.lines import read_lines
-from logtriage.scan_result import ScanResult
+from logtriage.scan_result import ScanResult, SlotStats
 
 
 def exit_only_root(failures: list[ChildFailure], catalog: Catalog) -> RootCause | None:
@@ -34,7 +34,7 @@ OUTPUT_ELSEWHERE = "python.exit_one_output_elsewhere"
 _AGENT_KINDS = (StreamKind.LAUNCHER, StreamKind.BANNER, StreamKind.PROBE)
 
 
-def exit_one_output_elsewhere(root: RootCause, scan: ScanResult, line_counts: dict[StreamKey, int],
+def exit_one_output_elsewhere(root: RootCause, scan: ScanResult, stream_stats: dict[StreamKey, SlotStats],
                               failures: list[ChildFailure], catalog: Catalog) -> RootCause:
     """An exit code 1 with no message, in a console that holds torchrun's whole run (its start-up
     banner, then the summary) and not one line of that worker: none of any worker (`--redirects`),
@@ -46,7 +46,7 @@ def exit_one_output_elsewhere(root: RootCause, scan: ScanResult, line_counts: di
     codes = {f.exitcode for f in failures if f.rank == root.rank}
     if codes != {1} or not any(LAUNCH_BANNER.search(text) for _, _, text in scan.launcher_lines[:50]):
         return root
-    if any(count for key, count in line_counts.items() if key.kind not in _AGENT_KINDS
+    if any(stats.lines for key, stats in stream_stats.items() if key.kind not in _AGENT_KINDS
            and (key.kind is not StreamKind.RANK or key.rank == root.rank)):
         return root   # a line no rank's label claims, or one of the failed rank's own
     rule = catalog.get(OUTPUT_ELSEWHERE) or fallback_rule(OUTPUT_ELSEWHERE, Category.PYTHON_EXCEPTION,
