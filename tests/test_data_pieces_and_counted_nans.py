@@ -1,6 +1,7 @@
 """A missing file torch.load was given that is one indexed piece of a data set (`flows_v2/flow_1.pt`), not a
-checkpoint; and a script's own check that counts the NaN values it found, raised as a ValueError. Real CPU runs
-of torch 2.13 (sample_logs/cpu_adhoc, the 222nd and 223rd batches, each labelled before triage ran)."""
+checkpoint; a script's own check that counts the NaN values it found, raised as a ValueError or only printed; and
+a logger record whose name carries the rank (`lmrk[2] ERROR ...`). Real CPU runs of torch 2.13 (sample_logs/cpu_adhoc,
+the 222nd, 223rd, 325th and 331st batches, each labelled before triage ran)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,15 @@ def test_a_piece_is_told_from_a_checkpoint_by_its_name(path, data):
 def test_a_scripts_count_of_nan_values_is_numerical():
     # `ValueError: negative-sampling distribution has 64 NaN probabilities (popularity sum 0.0)` on rank 2
     assert root_facts("sess_negzero_np3_r2_prefix")[:3] == ("numerical.nonfinite_value", "numerical", 2)
+
+
+def test_a_printed_count_of_non_finite_values_is_where_an_unseen_failure_began():
+    # mp.spawn: rank 2 prints `rank 2: step 2: log-energy has 3 non-finite values (min energy 0)` and raises, its
+    # traceback never reaches the console; spawn reports process 0's `Connection closed by peer`, a peer aborts
+    assert root_facts("mfcc_nanlog_np3_r2_spawn")[:4] == ("numerical.nonfinite_count", "numerical", 2, 12)
+
+
+def test_a_logger_named_after_the_rank_logs_the_error_that_began_it():
+    # `[default2|2]:2026-12-05 21:50:04,048 lmrk[2] ERROR rank 2: ERROR face detector found no face ...`, exit code 4;
+    # ranks 0 and 1 log `training failed: RuntimeError: ... Connection closed by peer` two seconds later
+    assert root_facts("lmrk_exit4_np3_r2_prefix")[:4] == ("python.logged_error", "python_exception", 2, 7)
