@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from logtriage.analysis.exceptions import _DATA_FILE
-from sample_roots import root_facts
+from sample_roots import edited_report, root_facts
 
 
 def test_an_indexed_piece_of_data_torch_load_misses_is_a_missing_file():
@@ -45,6 +45,23 @@ def test_a_printed_count_of_non_finite_values_is_where_an_unseen_failure_began()
     # mp.spawn: rank 2 prints `rank 2: step 2: log-energy has 3 non-finite values (min energy 0)` and raises, its
     # traceback never reaches the console; spawn reports process 0's `Connection closed by peer`, a peer aborts
     assert root_facts("mfcc_nanlog_np3_r2_spawn")[:4] == ("numerical.nonfinite_count", "numerical", 2, 12)
+
+
+def test_a_count_of_zero_non_finite_values_is_no_sign(tmp_path):
+    # the same run had rank 2's check found nothing: no line names a rank, the diagnosis is not numerical
+    rc = edited_report("mfcc_nanlog_np3_r2_spawn", "log-energy has 3 non-finite", "log-energy has 0 non-finite",
+                       tmp_path)["root_cause"]
+    assert rc["rule_id"] != "numerical.nonfinite_count" and rc["category"] != "numerical" and rc["rank"] is None
+
+
+@pytest.mark.parametrize("slug, rank", [
+    # `[rank2]: FloatingPointError: rank 2: log-mel has 22528 non-finite values (min power 0.0) in ...`
+    ("wav_logzero_np3_r2_bashloop", 2),
+    # `1: [rank1]: FloatingPointError: KAN output has 39/64 non-finite values at step 4 (grid 10 intervals)`
+    ("kan_outgrid_np3_r1_srunlabel", 1),
+])
+def test_a_raised_floating_point_error_with_a_count_keeps_its_own_rule(slug, rank):
+    assert root_facts(slug)[:3] == ("numerical.checked_nonfinite", "numerical", rank)
 
 
 def test_a_logger_named_after_the_rank_logs_the_error_that_began_it():
