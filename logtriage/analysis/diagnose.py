@@ -27,6 +27,7 @@ from logtriage.analysis.hangs import (
 )
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid, shared_gpu
 from logtriage.analysis.invalid_values import finite_invalid_values
+from logtriage.analysis.lone_notice import hang_answered_alone, notice_ended_hang, stop_notices
 from logtriage.analysis.loss_outlier import loss_outlier_rank
 from logtriage.analysis.odd_start import odd_start_rank
 from logtriage.analysis.recovered import (GROUP_SUCCEEDED, caught_then_finished, relaunched_then_finished,
@@ -97,6 +98,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     failures = parse_child_failures(scan.launcher_lines)
     findings = agent_sigkills(unsent_sigterms(attribute_by_nccl_pid(resolve_findings(scan, keys, failures)), catalog,
                                               frozenset(scan.facts.teardown_pids)), catalog)
+    notices = stop_notices(findings)
     findings = notices_in_teardown(findings)
     stream_stats = merge_stats(scan, keys)
     facts = rank_facts(stream_stats, failures, findings, scan.world_size, frozenset(scan.facts.teardown_pids))
@@ -128,6 +130,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = stopped_after_one_went_on(scan, keys, root, findings, facts, catalog)
         root = time_limit_ended_hang(scan, keys, root, findings)
         root = stopped_in_stride(scan, keys, root, findings, facts, catalog)
+        root = notice_ended_hang(scan, root, findings, facts, catalog)
     if root is not None:
         root = timer_reaped(waited_for_a_crash(refused_result_first(root, findings), findings), findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
@@ -213,6 +216,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
             if root is not None:
                 root = late_rank_went_on(scan, keys, heartbeat_odd_one_out(scan, keys, root), findings)
             verdict = Verdict.HUNG if root is not None else Verdict.OK
+    if verdict is Verdict.HUNG and root is not None:
+        root = hang_answered_alone(root, notices, facts)
     recovered = None
     if verdict is Verdict.FAILED and root is not None:
         # a NaN the script printed and went on from is no recovery while a rank's last progress line
