@@ -22,6 +22,13 @@ def test_a_restart_that_cannot_connect_again_is_the_echo_of_the_first_attempts_f
     assert root_facts(slug) == ("signal.exit_nonzero", "unknown", rank, line, None)
 
 
+def test_a_logged_error_keeps_the_root_over_the_restarted_ranks_own_later_error():
+    # attempt 0: rank 1 logs `[rank=1] ERROR rank 1: ERROR crop 13 of shard 1 has 0 visible pedestrians ...` and
+    # exits 4; the restarted rank 1's connectFullMesh is refused. The record yields to a later error of its own
+    # rank only within its attempt (351st batch)
+    assert root_facts("pdet_exit4_np3_r1_restart")[:4] == ("python.logged_error", "python_exception", 1, 14)
+
+
 def test_a_first_start_that_cannot_connect_is_still_the_root():
     # the ranks' connectFullMesh is refused at the first start (a stale file store): no agent report before it
     assert root_facts("hinit_file_stale_np4_rall_plain")[:2] == ("gloo.connect_full_mesh", "rendezvous")

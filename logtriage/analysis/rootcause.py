@@ -54,9 +54,11 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
         specific = [f for f in either if f.rule.id != EXIT_RULE and not _notice_of_own_exit(f, either)] or either
         confidence = 0.6 if specific[0].rule.id != EXIT_RULE else 0.35
         specific, onset = from_first_logged_sign(specific, live)
-        # a logged record yields to what its rank's own later error says (it dates that error)
+        # a logged record yields to what its rank's own later error says (it dates that error), in the same
+        # attempt: a restarted worker's error is the restart's, not what the record said
         specific = [f for f in specific if f.rule.id != LOGGED_RULE or not any(
-            g.rank == f.rank and g.rule.id != LOGGED_RULE and not _launcher_signal(g) for g in specific)] or specific
+            g.rank == f.rank and g.stream.attempt == f.stream.attempt and g.rule.id != LOGGED_RULE
+            and not _launcher_signal(g) for g in specific)] or specific
         specific = [f for f in specific if not _launcher_signal(f) or not any(
             g.rank == f.rank and g.rule.id == LOGGED_RULE for g in specific)] or specific
         return _group_root(specific, live, facts, confidence, onset)
