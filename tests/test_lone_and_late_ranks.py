@@ -1,11 +1,15 @@
 """A stop that only one rank of a hung run answered: Lightning's handler prints `[rank: N] Received SIGTERM: 15`
 only on a rank that is running Python, so the ranks waiting in a collective stay silent and the one that answers
-is the rank the run hung on. Real CPU runs of torch 2.13 and Lightning 2.6.6 (sample_logs/cpu_adhoc, the 348th
-and 349th batches, labelled before triage ran)."""
+is the rank the run hung on. And a rank that arrived at a collective after every other rank had timed out in it:
+its only error is their closed connection, printed after their timeouts. Real CPU runs of torch 2.13 and Lightning
+2.6.6 (sample_logs/cpu_adhoc, the 348th, 349th and 369th batches, labelled before triage ran)."""
 
 from __future__ import annotations
 
-from sample_roots import edited_report, verdict_and_root
+from pathlib import Path
+
+from logtriage.api import triage
+from sample_roots import SAMPLES, edited_report, root_facts, verdict_and_root
 
 NOTICE = "[rank: 2] Received SIGTERM: 15\n"
 
@@ -42,3 +46,22 @@ def test_two_ranks_answering_name_no_rank(tmp_path):
                        "[default1]:[rank: 1] Received SIGTERM: 15\n[default0]:[rank: 0] Received SIGTERM: 15",
                        tmp_path)["root_cause"]
     assert (rc["category"], rc["rank"]) == ("hang", None)
+
+
+def test_the_rank_that_met_closed_connections_after_every_other_timed_out_arrived_late():
+    # Lightning in a bash loop, 3 ranks: rank 2 spends ~30 s in Python after step 2; ranks 0 and 1 raise `Timed out
+    # waiting 12000ms` (recv, send) in the reduce, then rank 2's traceback ends in `Connection closed by peer`
+    assert root_facts("rxnc_slow_np3_r2_plbashloop")[:3] == ("gloo.timeout", "collective_timeout", 2)
+
+
+def test_a_closed_connection_printed_before_the_timeouts_is_no_late_arrival(tmp_path):
+    # the same lines with rank 2's traceback moved before the others' timeouts: it met the closed connection while
+    # they still waited, so it was in the collective with them, and nothing tells the three apart
+    lines = (SAMPLES / "rxnc_slow_np3_r2_plbashloop.log").read_text().splitlines(keepends=True)
+    own = [i for i, line in enumerate(lines) if line.startswith("[rank2]:")]
+    first_wait = next(i for i, line in enumerate(lines) if line.startswith("[rank0]:"))
+    rest = lines[:own[0]] + lines[own[-1] + 1:]
+    log = Path(tmp_path) / "moved.log"
+    log.write_text("".join(rest[:first_wait] + lines[own[0]:own[-1] + 1] + rest[first_wait:]))
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["category"], rc["rank"]) == ("collective_timeout", None)

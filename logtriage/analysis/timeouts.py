@@ -46,7 +46,8 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
                    and f.category is Category.COLLECTIVE_ERROR}
     waited_steps = [facts.last_step[r] for r in timed_out if r in facts.last_step]
     ahead = {r for r in peer_closed if waited_steps and facts.last_step.get(r, -1) > max(waited_steps)}
-    in_collective = timed_out | (peer_closed - ahead)
+    late = _arrived_after_the_waits(timeouts, live, facts, peer_closed - ahead - timed_out)
+    in_collective = timed_out | (peer_closed - ahead - late)
     hidden = unseen_ranks(facts)
     killed_running = {r for r in hidden - in_collective if facts.exit_codes.get(r, 0) < 0}
     if len(killed_running) == 1 and facts.known - in_collective == killed_running:
@@ -88,6 +89,12 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
             f"rank {only} exited cleanly while the others were still in a collective with it: ranks "
             f"{ranges(sorted(peer_closed - ahead), limit=8)} lost their connection to it and the rest timed out "
             "waiting; it stopped early (a stop condition or a data shard of its own)",))
+    if len(missing) == 1 and missing[0] in late:
+        only = missing[0]
+        return RootCause(first.rule, first, only, (only,), 0.55, (
+            f"every rank but {only} timed out in a collective, and rank {only}'s only error is a peer's closed "
+            "connection printed after all of those timeouts: it reached the collective after the others had given "
+            "up waiting for it",))
     if len(missing) == 1:
         only = missing[0]
         went_on = (f" (it had gone on to step {facts.last_step[only]} and failed in a later collective)"
@@ -271,3 +278,19 @@ def _behind(facts: RankFacts, ranks: set[int]) -> int | None:
     low = min(steps.values())
     lowest = [r for r, s in steps.items() if s == low]
     return lowest[0] if len(lowest) == 1 and max(steps.values()) > low else None
+
+
+def _arrived_after_the_waits(timeouts: list[Finding], live: list[Finding], facts: RankFacts,
+                             closed: set[int]) -> set[int]:
+    """The one rank that did not time out when every other known rank did, whose errors are all a peer's closed
+    connection printed after the last timeout: the waiting ranks gave up and closed their connections, and it
+    met them closed as it arrived late (a rank that crashed closes its peers' connections before any timeout)."""
+    if len(closed) != 1 or facts.known - {f.rank for f in timeouts} != closed:
+        return set()
+    rank = next(iter(closed))
+    last_wait = max(f.seq for f in timeouts)
+    own = [f for f in live if f.rank == rank]
+    if own and all(f.role is Role.CASCADE_CANDIDATE and f.category is Category.COLLECTIVE_ERROR
+                   and f.seq > last_wait for f in own):
+        return {rank}
+    return set()
