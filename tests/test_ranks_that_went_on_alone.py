@@ -73,9 +73,13 @@ def test_the_rank_that_printed_its_work_after_the_others_timed_out_came_late():
     assert verdict_and_root("cint_bpe_np3_r2_srunlabel") == ("failed", "gloo.timeout", "collective_timeout", 2)
 
 
-def test_without_a_line_of_work_after_the_timeouts_no_rank_is_named(tmp_path):
+def test_without_a_line_of_work_the_closed_connection_after_the_timeouts_still_names_the_late_rank(tmp_path):
+    # rank 2's line of work edited away: its only error is still a peer's closed connection printed after both
+    # other ranks timed out, so it arrived after they gave up (test_lone_and_late_ranks.py has the same evidence
+    # printed before the timeouts, which names no rank)
     report = edited_report("limc_entropy_np3_r2_srunlabel", "2: rank 2 range coder: 420510 bytes\n", "", tmp_path)
-    assert report["root_cause"]["rank"] is None
+    assert report["root_cause"]["rank"] == 2
+    assert any("after all of those timeouts" in reason for reason in report["root_cause"]["reasons"])
 
 
 def test_of_the_ranks_that_never_joined_the_one_that_went_on_to_other_work_is_named(tmp_path):
