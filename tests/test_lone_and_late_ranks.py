@@ -6,8 +6,6 @@ its only error is their closed connection, printed after their timeouts. Real CP
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from logtriage.api import triage
 from sample_roots import SAMPLES, edited_report, root_facts, verdict_and_root
 
@@ -61,7 +59,7 @@ def test_a_closed_connection_printed_before_the_timeouts_is_no_late_arrival(tmp_
     own = [i for i, line in enumerate(lines) if line.startswith("[rank2]:")]
     first_wait = next(i for i, line in enumerate(lines) if line.startswith("[rank0]:"))
     rest = lines[:own[0]] + lines[own[-1] + 1:]
-    log = Path(tmp_path) / "moved.log"
+    log = tmp_path / "moved.log"
     log.write_text("".join(rest[:first_wait] + lines[own[0]:own[-1] + 1] + rest[first_wait:]))
     rc = triage([str(log)]).to_dict()["root_cause"]
     assert (rc["category"], rc["rank"]) == ("collective_timeout", None)

@@ -130,7 +130,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = stopped_after_one_went_on(scan, keys, root, findings, facts, catalog)
         root = time_limit_ended_hang(scan, keys, root, findings)
         root = stopped_in_stride(scan, keys, root, findings, facts, catalog)
-        root = notice_ended_hang(scan, root, findings, facts, catalog)
+        root = notice_ended_hang(scan, root, findings, notices, facts, catalog)
     if root is not None:
         root = timer_reaped(waited_for_a_crash(refused_result_first(root, findings), findings), findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:

@@ -127,6 +127,11 @@ class Finding:
         return self.rule.teardown
 
     @property
+    def fails_beyond_a_stop(self) -> bool:
+        """An error that is neither the launcher's teardown nor a stop from outside: something failed."""
+        return self.is_error and not self.is_teardown and self.category is not Category.EXTERNAL_STOP
+
+    @property
     def exception_type(self) -> str | None:
         """The exception type as printed (`torch.OutOfMemoryError`), from the rule's capture or
         from the line itself when it is an exception line."""

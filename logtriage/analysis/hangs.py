@@ -152,8 +152,7 @@ def finished_then_stopped(root: RootCause, findings: list[Finding], catalog: Cat
         return root
     finished = next((f for f in findings if f.rule.id == FINISHED_RULE and f.source == stop.source
                      and f.line < stop.line), None)
-    if finished is None or any(f.is_error and not f.is_teardown and f.category is not Category.EXTERNAL_STOP
-                               and f.source == stop.source and finished.line < f.line < stop.line
+    if finished is None or any(f.fails_beyond_a_stop and f.source == stop.source and finished.line < f.line < stop.line
                                for f in findings):
         return root
     rule = catalog.get(EXIT_STALLED) or fallback_rule(

@@ -13,7 +13,6 @@ from logtriage.analysis.refine import stopped_while_waiting_rule
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.signal_readings import STOP_NOTICE
 from logtriage.catalog.loader import Catalog
-from logtriage.catalog.rule import Category
 from logtriage.scan_result import ScanResult
 
 
@@ -42,24 +41,25 @@ def hang_answered_alone(root: RootCause, notices: list[Finding], facts: RankFact
     return replace(root, rank=rank, ranks=(rank,), reasons=root.reasons + (_why(rank, notices),))
 
 
-def notice_ended_hang(scan: ScanResult, root: RootCause, findings: list[Finding], facts: RankFacts,
-                      catalog: Catalog) -> RootCause:
+def notice_ended_hang(scan: ScanResult, root: RootCause, findings: list[Finding], notices: list[Finding],
+                      facts: RankFacts, catalog: Catalog) -> RootCause:
     """A rank's stop notice as the root, the last line of its input, nothing else failed, and every other
     rank that printed progress silent at the stop: the ranks were waiting in a collective for the one that
-    answered, and the stop ended that hang (a preemption of a live job is answered by every rank)."""
+    answered, and the stop ended that hang (a preemption of a live job is answered by every rank).
+    `notices`: every stop notice, those printed after the launcher's teardown began among them."""
     stop = root.finding
     if stop is None or stop.rule.id != STOP_NOTICE or stop.source >= len(scan.indexes):
         return root
-    rank = answered_alone(stop_notices(findings), facts)
+    rank = answered_alone(notices, facts)
     if rank is None or rank != root.rank or stop.line < len(scan.indexes[stop.source].offsets):
         return root
-    if any(f.is_error and not f.is_teardown and f.category is not Category.EXTERNAL_STOP for f in findings):
+    if any(f.fails_beyond_a_stop for f in findings):
         return root
     if any(line > stop.line for source, _, line, _ in facts.last_progress.values() if source == stop.source):
         return root
     return replace(root, rule=stopped_while_waiting_rule(catalog), confidence=min(root.confidence, 0.4),
                    reasons=root.reasons + (
-        "nothing failed and the log ends on this notice: the stop ended a wait", _why(rank, stop_notices(findings))))
+        "nothing failed and the log ends on this notice: the stop ended a wait", _why(rank, notices)))
 
 
 def _why(rank: int, notices: list[Finding]) -> str:

@@ -246,8 +246,7 @@ def stalled_before_stop(scan: ScanResult, root: RootCause, findings: list[Findin
     begin = parse_stamp(_CTRL_C.sub("", message_of(last[1]))) if last else None
     if begin is None or begin.family != end.family or end.seconds - begin.seconds < STALL_SECONDS:
         return root
-    if any(f.is_error and not f.is_teardown and f.category is not Category.EXTERNAL_STOP
-           and f.source == stop.source and last[0] <= f.line < stop.line for f in findings):
+    if any(f.fails_beyond_a_stop and f.source == stop.source and last[0] <= f.line < stop.line for f in findings):
         return root
     rule = stopped_while_waiting_rule(catalog)
     minutes = (end.seconds - begin.seconds) / 60

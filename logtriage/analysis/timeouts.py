@@ -42,11 +42,10 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
             + "; the worker it called, which did not answer, is not named in the log",))
     # a rank whose wait ended on a peer's closed connection was in the collective too, unless it
     # had stepped past the waiting ranks (it skipped their collective and failed in a later one)
-    peer_closed = {f.rank for f in live if f.rank is not None and f.role is Role.CASCADE_CANDIDATE
-                   and f.category is Category.COLLECTIVE_ERROR}
+    peer_closed = {f.rank for f in live if f.rank is not None and _lost_a_peer(f)}
     waited_steps = [facts.last_step[r] for r in timed_out if r in facts.last_step]
     ahead = {r for r in peer_closed if waited_steps and facts.last_step.get(r, -1) > max(waited_steps)}
-    late = _arrived_after_the_waits(timeouts, live, facts, peer_closed - ahead - timed_out)
+    late = _arrived_after_the_waits(timeouts, timed_out, live, facts, peer_closed - ahead - timed_out)
     in_collective = timed_out | (peer_closed - ahead - late)
     hidden = unseen_ranks(facts)
     killed_running = {r for r in hidden - in_collective if facts.exit_codes.get(r, 0) < 0}
@@ -83,8 +82,7 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
         # lost their connection to it, the rest waited out the timeout. It left early (a shorter data
         # shard, a stop condition of its own): the closed connections, not the timeouts, say what happened.
         only = missing[0]
-        closed = earliest([f for f in live if f.rank in peer_closed - ahead and f.role is Role.CASCADE_CANDIDATE
-                           and f.category is Category.COLLECTIVE_ERROR])
+        closed = earliest([f for f in live if f.rank in peer_closed - ahead and _lost_a_peer(f)])
         return RootCause(closed.rule, closed, only, (only,), 0.4, (
             f"rank {only} exited cleanly while the others were still in a collective with it: ranks "
             f"{ranges(sorted(peer_closed - ahead), limit=8)} lost their connection to it and the rest timed out "
@@ -131,8 +129,7 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
         return RootCause(first.rule, first, only, (only,), 0.4, (
             f"rank {only} is the only rank in this log, and it timed out in a collective",))
     # the ranks whose wait ended on a closed connection were in a collective too: theirs counts
-    closed_in = [f for f in live if f.rank in peer_closed - ahead - timed_out and f.role is Role.CASCADE_CANDIDATE
-                 and f.category is Category.COLLECTIVE_ERROR]
+    closed_in = [f for f in live if f.rank in peer_closed - ahead - timed_out and _lost_a_peer(f)]
     enough = len(timed_out) + len({f.rank for f in closed_in}) >= 3   # two ranks: `_left_the_loop`'s reading
     odd = _odd_collective(timeouts + closed_in if enough else timeouts)
     if odd is not None:
@@ -280,17 +277,21 @@ def _behind(facts: RankFacts, ranks: set[int]) -> int | None:
     return lowest[0] if len(lowest) == 1 and max(steps.values()) > low else None
 
 
-def _arrived_after_the_waits(timeouts: list[Finding], live: list[Finding], facts: RankFacts,
+def _lost_a_peer(f: Finding) -> bool:
+    """A rank's wait that ended on a peer's closed or reset connection."""
+    return f.role is Role.CASCADE_CANDIDATE and f.category is Category.COLLECTIVE_ERROR
+
+
+def _arrived_after_the_waits(timeouts: list[Finding], timed_out: set[int], live: list[Finding], facts: RankFacts,
                              closed: set[int]) -> set[int]:
     """The one rank that did not time out when every other known rank did, whose errors are all a peer's closed
     connection printed after the last timeout: the waiting ranks gave up and closed their connections, and it
     met them closed as it arrived late (a rank that crashed closes its peers' connections before any timeout)."""
-    if len(closed) != 1 or facts.known - {f.rank for f in timeouts} != closed:
+    if len(closed) != 1 or facts.known - timed_out != closed:
         return set()
     rank = next(iter(closed))
     last_wait = max(f.seq for f in timeouts)
     own = [f for f in live if f.rank == rank]
-    if own and all(f.role is Role.CASCADE_CANDIDATE and f.category is Category.COLLECTIVE_ERROR
-                   and f.seq > last_wait for f in own):
+    if own and all(_lost_a_peer(f) and f.seq > last_wait for f in own):
         return {rank}
     return set()

@@ -279,5 +279,4 @@ def _signalled_stop_alone(root: RootCause, findings: list[Finding]) -> bool:
     return (root.rule.category is Category.EXTERNAL_STOP and stop is not None
             and any(_STOPPED_BY.search(f.text) for f in findings
                     if f.category is Category.EXTERNAL_STOP and f.source == stop.source)
-            and not any(f.is_error and not f.is_teardown and f.category is not Category.EXTERNAL_STOP
-                        for f in findings))
+            and not any(f.fails_beyond_a_stop for f in findings))
