@@ -17,6 +17,8 @@ from logtriage.scan_result import ScanResult, step_number
 
 WINDOW = 160          # lines read back before the stop
 _WORKER_KINDS = frozenset({StreamKind.RANK, StreamKind.UNATTRIBUTED})
+# a worker's own words that it waits (`waiting for the data cache /data/cache/READY`, `waits on the lock`)
+WAITING_WORDS = re.compile(r"\bwaiting\b|\bwaits? (?:for|on|until)\b", re.IGNORECASE)
 LastLine = tuple[int, str]   # (line number, message)
 
 

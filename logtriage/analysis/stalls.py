@@ -9,7 +9,7 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding, mask_numbers
-from logtriage.analysis.last_lines import (WINDOW, at_work_after_the_timeouts, last_worker_lines, pieces_before,
+from logtriage.analysis.last_lines import (WAITING_WORDS, WINDOW, at_work_after_the_timeouts, last_worker_lines, pieces_before,
                                           ranked_pieces, went_on_alone, went_on_past_the_others)
 from logtriage.analysis.odd_start import odd_line_out
 from logtriage.analysis.rank_evidence import odd_one_out
@@ -85,7 +85,8 @@ def late_rank_went_on(scan: ScanResult, keys: list[StreamKey], root: RootCause, 
     went on to something else while every other rank's last line is its progress at one step (`rank 1:
     threshold drifted, rescanning full sensor history`); before a timeout it did not share, also words that
     differ from every other rank's, which agree. Rank 0 saying more than the others where the output stops
-    is a program that logs its summaries there (`saved ckpt/model.pt`), not a rank gone elsewhere."""
+    is a program that logs its summaries there (`saved ckpt/model.pt`), not a rank gone elsewhere, unless that
+    line says it waits (`rank 0 waiting for render lock ...`)."""
     timeout = root.rule.category is Category.COLLECTIVE_TIMEOUT
     if root.rank is not None or root.finding is None or not (timeout or root.rule.category is Category.HANG) \
             or any(f.rule.id == TEARDOWN_RULE for f in findings):
@@ -104,12 +105,19 @@ def late_rank_went_on(scan: ScanResult, keys: list[StreamKey], root: RootCause, 
     elif rank is None:   # (`rank 2: rebuilding the interaction history ...` after its `loaded ...`, the others' last)
         workers = frozenset(k.rank for k in keys if k.kind is StreamKind.RANK and k.rank >= 0)   # (-1: no known rank)
         rank = went_on_past_the_others(scan, keys, source, end, workers)
-    if rank is None or (not timeout and rank == 0) or (timeout and any(
+    if rank is None or (not timeout and rank == 0 and not _says_it_waits(scan, keys, source, end, 0)) or (timeout and any(
             f.rank == rank and f.category is Category.COLLECTIVE_TIMEOUT for f in findings if f.is_error)):
         return root
     return replace(root, rank=rank, ranks=(rank,), reasons=root.reasons + (
         f"rank {rank}'s own last line before {'the first traceback' if timeout else 'the output stops'} says it "
         "went on to something else, or says other than every other rank's: the others waited for it there",))
+
+
+def _says_it_waits(scan: ScanResult, keys: list[StreamKey], source: int, end: int, rank: int) -> bool:
+    """The rank's own last line before `end` says it waits (`rank 0 waiting for render lock ...`): rank 0 gone
+    on alone to a wait of its own is where the job stuck, not a summary it logs for every rank."""
+    said = last_worker_lines(scan, keys, source, end)[1].get(rank)
+    return said is not None and WAITING_WORDS.search(said[1]) is not None
 
 
 def came_late_to_the_collective(scan: ScanResult, keys: list[StreamKey], root: RootCause,

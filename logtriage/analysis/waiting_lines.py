@@ -15,7 +15,7 @@ from dataclasses import replace
 from logtriage.analysis.early_stop import STOPPED_EARLY
 from logtriage.analysis.findings import Finding, mask_numbers
 from logtriage.analysis.hangs import EXIT_STALLED
-from logtriage.analysis.last_lines import (at_work_alone, fell_behind_alone, last_worker_lines,
+from logtriage.analysis.last_lines import (WAITING_WORDS, at_work_alone, fell_behind_alone, last_worker_lines,
                                           stopped_at_a_shared_line, went_on_alone, went_on_past_the_others)
 from logtriage.analysis.odd_start import odd_line_out
 from logtriage.analysis.rank_evidence import odd_one_out
@@ -30,7 +30,6 @@ from logtriage.ingest.lines import read_lines
 from logtriage.scan_result import ScanResult
 
 WAIT_SECONDS = 30.0   # a stamped wait shorter than this when the stop came is no hang (a component stopped it)
-_WAITING = re.compile(r"\bwaiting\b|\bwaits? (?:for|on|until)\b", re.IGNORECASE)
 STARTUP_SECONDS = 30.0   # from the launcher's start to the stop, no step printed: start-up had stuck
 # the launcher's words for the signal it got: SIGTERM (a `timeout`, a scheduler) or SIGINT (Ctrl-C);
 # a SIGHUP is a closed terminal, which says nothing of the job
@@ -51,14 +50,14 @@ def waiting_before_stop(scan: ScanResult, keys: list[StreamKey], root: RootCause
             stopped or (root.rule.id == EXIT_STALLED and root.rank is None)):
         return root
     last, by_rank = last_worker_lines(scan, keys, stop.source, stop.line)
-    waiting = [rank for rank, (_, text) in by_rank.items() if _WAITING.search(text)]
+    waiting = [rank for rank, (_, text) in by_rank.items() if WAITING_WORDS.search(text)]
     # (one rank alone speaking of the workers the launcher stopped, not rank 0, which may log for all: the
     # silent ones waited for it)
     alone = len(by_rank) == 1 and 0 not in by_rank and _workers_stopped(findings, stop.source) >= 2
     rank = waiting[0] if len(waiting) == 1 and (len(by_rank) >= 2 or alone) else None
     odd = odd_line_out({r: text for r, (_, text) in by_rank.items()}) if len(waiting) == len(by_rank) else None
     said = by_rank[rank] if rank is not None else by_rank[odd] if odd is not None else last
-    if said is None or not _WAITING.search(said[1]):
+    if said is None or not WAITING_WORDS.search(said[1]):
         return root
     reasons = ((f"rank {rank}'s last line before the stop says it waits (`{said[1][:120]}`), and every other "
                 "rank's last line says something else" + (" (they printed none)" if alone else "")
