@@ -28,7 +28,7 @@ from logtriage.analysis.hangs import (
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid, shared_gpu
 from logtriage.analysis.invalid_values import finite_invalid_values
 from logtriage.analysis.lone_notice import hang_answered_alone, notice_ended_hang, stop_notices
-from logtriage.analysis.loss_outlier import loss_outlier_rank
+from logtriage.analysis.loss_outlier import loss_outlier_rank, shared_nan_then_one_check
 from logtriage.analysis.odd_start import odd_start_rank
 from logtriage.analysis.recovered import (GROUP_SUCCEEDED, caught_then_finished, relaunched_then_finished,
                                           restarted_then_finished)
@@ -144,7 +144,8 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = dcp_named_ranks(root, findings, scan.block_exceptions)
         root = probe_json_without_banner(root, bool(scan.banner_lines), catalog)
         root = odd_dtype_rank(different_collectives_at_one_seq(root, findings, catalog), scan, keys)
-        root = loss_outlier_rank(scan, keys, p2p_sender_rank(root, findings))
+        root = loss_outlier_rank(scan, keys, shared_nan_then_one_check(scan, keys, p2p_sender_rank(root, findings),
+                                                                       findings))
         root = finite_invalid_values(scan, root, catalog)
         root = watchdog_spared_rank(late_rank_went_on(scan, keys, root, findings), findings, facts)
         root = came_late_to_the_collective(scan, keys, root, findings)

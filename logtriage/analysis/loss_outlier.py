@@ -3,7 +3,9 @@ progress lines show its loss leaving the others' by orders of magnitude a step o
 rank raised (`rank 2 step 3 loss 1848.8` where the others print 1.4), and the all-reduce then
 spread the blow-up to every rank. That rank's data or settings started it. So did the one rank
 whose own lines print a value as inf or nan (`rank 3 update 1 rollout ... reward inf`) under a name
-every other rank prints finite values for, when several ranks raised the same numerical error."""
+every other rank prints finite values for, when several ranks raised the same numerical error. A non-finite
+loss every rank printed at one step is the all-reduced loss and names no rank: the one rank whose own check
+then raised is where it started."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import math
 import re
 from dataclasses import replace
 
+from logtriage.analysis.findings import Finding
 from logtriage.analysis.last_lines import pieces_before
 from logtriage.analysis.roots import RootCause
-from logtriage.catalog.rule import Category
+from logtriage.catalog.rule import Category, Role
 from logtriage.demux.streams import StreamKey
 from logtriage.scan_result import ScanResult, step_number
 
@@ -99,3 +102,30 @@ def _left_the_others(at_step: dict[int, float]) -> int | None:
     if not all(math.isfinite(v) for v in rest) or max(rest) > AGREE * max(min(rest), 1e-3):
         return None
     return wild[0]
+
+
+def shared_nan_then_one_check(scan: ScanResult, keys: list[StreamKey], root: RootCause,
+                              findings: list[Finding]) -> RootCause:
+    """A printed non-finite loss (no exception) that every rank printing that step printed alike (MIN_OTHERS + 1
+    or more) is the reduced loss, the same on all: it names no rank. Where exactly one rank's own check then raised
+    a numerical error (`FloatingPointError: non-finite velocity features on rank 3 at step 3`), that check, on that
+    rank, is the root."""
+    f = root.finding
+    if root.rule.category is not Category.NUMERICAL or f is None or f.exception_type or f.source >= len(scan.sources):
+        return root
+    step = step_number(f.text)
+    checks = [g for g in findings if g.category is Category.NUMERICAL and g.role is Role.ROOT_CANDIDATE
+              and g.exception_type and g.rank is not None and g.source == f.source and g.seq > f.seq]
+    if step is None or len({g.rank for g in checks}) != 1:
+        return root
+    at_step: dict[int, float] = {}
+    for _, _, rank, piece in pieces_before(scan, keys, f.source, f.line + AFTER):
+        m = _LOSS.search(piece) if rank is not None and step_number(piece) == step else None
+        if m is not None:
+            at_step.setdefault(rank, float(m.group(1)))
+    if len(at_step) < MIN_OTHERS + 1 or any(math.isfinite(v) for v in at_step.values()):
+        return root
+    check = min(checks, key=lambda g: g.seq)
+    return RootCause(check.rule, check, check.rank, (check.rank,), min(root.confidence, 0.6), (
+        *root.reasons, f"every rank printed a non-finite loss at step {step} alike (the reduced loss, the same on all: "
+        f"it names no rank); rank {check.rank} alone then raised its own check (line {check.line}): it started there"))
