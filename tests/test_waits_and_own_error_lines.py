@@ -50,3 +50,13 @@ def test_a_nan_every_rank_printed_alike_names_no_rank_the_one_check_that_raised_
     rule, category, rank, line, exception = root_facts("sgnl_nanvel_np5_r3_tee")
     assert (rule, category, rank, line, exception) == (
         "numerical.checked_nonfinite", "numerical", 3, 26, "FloatingPointError")
+
+
+def test_a_nan_one_rank_printed_finite_is_no_reduced_loss(tmp_path):
+    # the same run with rank 1's step-1 loss finite: the ranks' losses differ, so the nan lines are each rank's own;
+    # rank 3's own nan line (before rank 0's, 4's and 2's) dates its check, and the shared-loss reading stays out
+    report = edited_report("sgnl_nanvel_np5_r3_tee", "rank 1 step 1 loss nan acc 0.050",
+                           "rank 1 step 1 loss 3.1020 acc 0.050", tmp_path)
+    rc = report["root_cause"]
+    assert (rc["rule_id"], rc["rank"]) == ("numerical.checked_nonfinite", 3)
+    assert not any("alike" in reason for reason in rc["reasons"])

@@ -9,8 +9,8 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding, mask_numbers
-from logtriage.analysis.last_lines import (WAITING_WORDS, WINDOW, at_work_after_the_timeouts, last_worker_lines, pieces_before,
-                                          ranked_pieces, went_on_alone, went_on_past_the_others)
+from logtriage.analysis.last_lines import (WAITING_WORDS, WINDOW, at_work_after_the_timeouts, last_worker_lines,
+                                          pieces_before, ranked_pieces, went_on_alone, went_on_past_the_others)
 from logtriage.analysis.odd_start import odd_line_out
 from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.refine import at_the_odd_step, stopped_while_waiting_rule
@@ -105,7 +105,8 @@ def late_rank_went_on(scan: ScanResult, keys: list[StreamKey], root: RootCause, 
     elif rank is None:   # (`rank 2: rebuilding the interaction history ...` after its `loaded ...`, the others' last)
         workers = frozenset(k.rank for k in keys if k.kind is StreamKind.RANK and k.rank >= 0)   # (-1: no known rank)
         rank = went_on_past_the_others(scan, keys, source, end, workers)
-    if rank is None or (not timeout and rank == 0 and not _says_it_waits(scan, keys, source, end, 0)) or (timeout and any(
+    summary = not timeout and rank == 0 and not _says_it_waits(scan, keys, source, end, 0)   # rank 0 logs for all
+    if rank is None or summary or (timeout and any(
             f.rank == rank and f.category is Category.COLLECTIVE_TIMEOUT for f in findings if f.is_error)):
         return root
     return replace(root, rank=rank, ranks=(rank,), reasons=root.reasons + (
