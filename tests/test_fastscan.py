@@ -48,6 +48,15 @@ def test_fast_scan_report_equals_exact_on_samples(case):
     assert fast == exact
 
 
+def test_a_plain_line_of_a_stream_whose_traceback_waits_ends_it_on_both_engines():
+    """torchrun --tee 3, 4 ranks (cpu_adhoc 374th batch): rank 2's `Traceback` header (line 8) is followed by other
+    ranks' lines and by rank 2's own stdout line `rank 2/4 up` (line 11) before its frames: that plain line ends the
+    waiting traceback, so the frames from line 13 are a traceback of their own on the fast engine too."""
+    exact, fast = _both(str(SAMPLES / "cpu_adhoc" / "wavh_badqc_np4_r2_tee.log"))
+    assert [e["line"] for e in fast["root_cause"]["evidence"]][:2] == [13, 14]
+    assert fast == exact
+
+
 def test_fast_scan_reads_plain_files_itself():
     """Equality alone would pass if the fast engine handed every file to the exact scanner. Every fourth
     sample (over 1,200 logs of every folder): the equality test above already runs both engines on all of them."""

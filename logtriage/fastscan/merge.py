@@ -101,7 +101,10 @@ class ChunkMerger:
                 i += 1
                 continue
             k = int(np.searchsorted(slow_at, i))
-            j = int(slow_at[k]) if k < len(slow_at) else n
+            j = self._before_a_suspended_owner(lines, i, int(slow_at[k]) if k < len(slow_at) else n)
+            if j == i:   # a line of a stream whose traceback waits: the exact path resumes or ends it
+                slow[i] = True
+                continue
             self._plain_run(lines, i, j, slots, last_of)
             plain[i:j] = True
             i = j
@@ -111,6 +114,22 @@ class ChunkMerger:
         self._plain_stats(first_number, slots, plain)
         _progress_lines(scanner, data, first_number, lines, ends, np.where(plain, slots, -1), last_of)
         scanner.lines = first_number + n - 1
+
+    def _before_a_suspended_owner(self, lines: ChunkLines, i: int, j: int) -> int:
+        """The first line in [i, j) of a stream whose traceback another stream's lines interrupted (suspended
+        before its exception line): a plain line of that stream ends it on the exact path, so it is no plain line
+        here (`[default2]:rank 2/4 up` between rank 2's `Traceback` header and its frames). j when there is none."""
+        suspended = self.scanner.assigner.suspended
+        if not suspended:
+            return j
+        owners = np.fromiter(suspended, dtype=np.int64)
+        ranks = lines.ranks[i:j]
+        hit = np.isin(self.lookup(np.where(ranks == INHERIT, -1, ranks)), owners)
+        glued = lines.cuts[i:j] > 0
+        if glued.any():
+            hit |= glued & np.isin(self.lookup(np.where(glued, lines.ranks2[i:j], -1)), owners)
+        at = np.flatnonzero(hit)
+        return i + int(at[0]) if len(at) else j
 
     def _plain_run(self, lines: ChunkLines, i: int, j: int, slots: np.ndarray, last_of: np.ndarray) -> None:
         scanner, assigner = self.scanner, self.scanner.assigner
