@@ -32,12 +32,7 @@ def loss_outlier_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause) 
     f = root.finding
     if root.rule.category is not Category.NUMERICAL or f is None or f.source >= len(scan.sources):
         return root
-    losses: dict[int, dict[int, float]] = {}      # step -> rank -> its first loss at that step
-    for _, _, rank, piece in pieces_before(scan, keys, f.source, f.line + 1):
-        step = step_number(piece) if rank is not None else None
-        m = _LOSS.search(piece) if step is not None else None
-        if m is not None:
-            losses.setdefault(step, {}).setdefault(rank, float(m.group(1)))
+    losses = _losses_by_step(scan, keys, f.source, f.line + 1)
     for step in sorted(losses):
         odd = _left_the_others(losses[step])
         if odd is None:
@@ -86,6 +81,17 @@ def _nonfinite_named_value(scan: ScanResult, keys: list[StreamKey], root: RootCa
         "printed finite values: the non-finite value started on it, and the all-reduce spread it"))
 
 
+def _losses_by_step(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> dict[int, dict[int, float]]:
+    """step -> rank -> the rank's first loss printed at that step, from the progress lines before line `end`."""
+    losses: dict[int, dict[int, float]] = {}
+    for _, _, rank, piece in pieces_before(scan, keys, source, end):
+        step = step_number(piece) if rank is not None else None
+        m = _LOSS.search(piece) if step is not None else None
+        if m is not None:
+            losses.setdefault(step, {}).setdefault(rank, float(m.group(1)))
+    return losses
+
+
 def _left_the_others(at_step: dict[int, float]) -> int | None:
     """The one rank whose loss at a step is non-finite or APART times the others', which agree."""
     if len(at_step) < MIN_OTHERS + 1:
@@ -118,11 +124,7 @@ def shared_nan_then_one_check(scan: ScanResult, keys: list[StreamKey], root: Roo
               and g.exception_type and g.rank is not None and g.source == f.source and g.seq > f.seq]
     if step is None or len({g.rank for g in checks}) != 1:
         return root
-    at_step: dict[int, float] = {}
-    for _, _, rank, piece in pieces_before(scan, keys, f.source, f.line + AFTER):
-        m = _LOSS.search(piece) if rank is not None and step_number(piece) == step else None
-        if m is not None:
-            at_step.setdefault(rank, float(m.group(1)))
+    at_step = _losses_by_step(scan, keys, f.source, f.line + AFTER).get(step, {})
     if len(at_step) < MIN_OTHERS + 1 or any(math.isfinite(v) for v in at_step.values()):
         return root
     check = min(checks, key=lambda g: g.seq)
