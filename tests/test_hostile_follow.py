@@ -142,10 +142,12 @@ def test_growing_then_truncated_file(tmp_path):
 
 def test_replaced_file_is_read_from_its_start(tmp_path):
     log = tmp_path / "train.log"
-    log.write_bytes(b"[rank0]: step 1\n" * 3)
+    log.write_bytes(b"[rank0]: step 1\n" * 2 + CASCADE)
     proc = start(str(log), "--format", "json")
     try:
-        time.sleep(2.0)    # the follower must have opened the first file (0.8 s was too short on a loaded machine)
+        # the follower has read the first file once it reports that file's finding (a fixed sleep was too short
+        # on a loaded machine: the file was replaced before it was opened, and nothing shrank)
+        assert read_line(proc, timeout=60).startswith(f"finding: {log}:3 rank 0".encode())
         fresh = tmp_path / "new.log"
         fresh.write_bytes(b"[rank4]: step 1\n" * 5 + FAILURE)
         fresh.replace(log)                                             # rotation: a new inode
