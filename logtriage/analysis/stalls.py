@@ -263,9 +263,12 @@ _ENDED_ITS_LOOP = re.compile(r"\b(?:done|finished|completed?|joined|exiting)\b",
 def behind_ranks_ended(scan: ScanResult, keys: list[StreamKey], root: RootCause | None,
                        facts: RankFacts) -> RootCause | None:
     """A hang read from uneven progress (hang.no_progress) is none when each rank behind said, in its
-    last line after its last progress line, that it was done: it ended its loop on purpose."""
+    last line after its last progress line, that it was done: it ended its loop on purpose; or when its
+    later progress lines were glued onto other ranks' (`rank 3 step 5 loss 0.74rank 2 step 5 loss 0.74`:
+    processes that share one console unprefixed), which gave the whole line to the rank it starts with."""
     if root is None or root.rule.id != NO_PROGRESS_RULE or not root.ranks:
         return root
+    high = max(facts.last_step.values())
     for rank in root.ranks:
         span = next((s for k, s in facts.last_progress.items() if k.kind is StreamKind.RANK and k.rank == rank), None)
         if span is None:
@@ -273,6 +276,9 @@ def behind_ranks_ended(scan: ScanResult, keys: list[StreamKey], root: RootCause 
         source, _, last, _ = span
         said = [piece for number, _, who, piece in pieces_before(scan, keys, source, last + WINDOW)
                 if number > last and who == rank and piece.strip()]
+        glued_steps = [s for s in map(step_number, said) if s is not None]
+        if glued_steps and high - max(glued_steps) < 2:
+            continue
         if not said or not _ENDED_ITS_LOOP.search(said[-1]):
             return root
     return None
