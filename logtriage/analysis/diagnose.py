@@ -56,7 +56,7 @@ from logtriage.analysis.signal_readings import (
     unsent_sigterms,
 )
 from logtriage.analysis.rootcause import build_chain, choose_root, warning_root
-from logtriage.analysis.odd_dtype import odd_dtype_rank, p2p_sender_rank, sender_may_be_a_neighbour, sized_by_mismatch
+from logtriage.analysis.odd_dtype import size_abort_sender, sized_by_mismatch
 from logtriage.analysis.validity import refused_result_first
 from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_named_ranks, group_destroyed,
                                               oom_on_shared_gpu, rank0_model_differs, spawn_report_yields, timer_reaped, unresolved_host,
@@ -143,10 +143,9 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = abort_after_dump_signal(checkpoint_io(frame_reading(root, catalog), catalog), findings)
         root = dcp_named_ranks(root, findings, scan.block_exceptions)
         root = probe_json_without_banner(root, bool(scan.banner_lines), catalog)
-        root = odd_dtype_rank(different_collectives_at_one_seq(root, findings, catalog), scan, keys)
-        root = loss_outlier_rank(scan, keys, shared_nan_then_one_check(scan, keys, p2p_sender_rank(root, findings),
-                                                                       findings))
-        root = sender_may_be_a_neighbour(root, findings, facts.known)
+        root = size_abort_sender(different_collectives_at_one_seq(root, findings, catalog), scan, keys, findings,
+                                 facts.known)
+        root = loss_outlier_rank(scan, keys, shared_nan_then_one_check(scan, keys, root, findings))
         root = finite_invalid_values(scan, root, catalog)
         root = watchdog_spared_rank(late_rank_went_on(scan, keys, root, findings), findings, facts)
         root = came_late_to_the_collective(scan, keys, root, findings)

@@ -58,7 +58,6 @@ def odd_dtype_rank(root: RootCause, scan: ScanResult, keys: list[StreamKey]) -> 
 # `isend(...).wait()` (whose c10d frame has returned by then)
 _P2P_SENDS = frozenset({"send", "isend", "batch_isend_irecv"})
 _RECEIVED_MORE = "preamble.length <= op.nbytes"
-_RECEIVED_MORE_READ = "aborted on receiving more bytes"   # a reading above named the sender
 
 
 def p2p_sender_rank(root: RootCause, findings: list[Finding]) -> RootCause:
@@ -106,6 +105,14 @@ def sized_by_mismatch(root: RootCause, findings: list[Finding]) -> RootCause:
                          f"rank (line {check.line}), so the ranks' collectives did not match",))
 
 
+def size_abort_sender(root: RootCause, scan: ScanResult, keys: list[StreamKey], findings: list[Finding],
+                      known: set[int]) -> RootCause:
+    """Who sent the message gloo's size check refused: the one rank whose lines name another dtype, else
+    the one rank whose send broke; where neither tells, the report names the neighbour to compare."""
+    read = p2p_sender_rank(odd_dtype_rank(root, scan, keys), findings)
+    return sender_may_be_a_neighbour(read, findings, known) if read is root else read
+
+
 _GATHERS = frozenset({"all_gather", "all_gather_into_tensor", "all_gather_object", "_all_gather_base", "gather"})
 _REDUCES = frozenset({"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"})
 
@@ -119,7 +126,7 @@ def sender_may_be_a_neighbour(root: RootCause, findings: list[Finding], known: s
     the rank stays and the report says which two ranks to compare."""
     f = root.finding
     if (root.rule.id != SIZE_RULE or root.rank is None or f is None or _RECEIVED_MORE not in f.text
-            or len(known) < 3 or root.rank not in known or any(_RECEIVED_MORE_READ in r for r in root.reasons)):
+            or len(known) < 3 or root.rank not in known):
         return root
     world = max(known) + 1
     before, after = (root.rank - 1) % world, (root.rank + 1) % world
