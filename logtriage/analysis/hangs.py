@@ -44,13 +44,16 @@ def waiting(findings: list[Finding], facts: RankFacts) -> RootCause | None:
     return RootCause(first.rule, first, rank, tuple(missing), 0.45, tuple(reasons))
 
 
+BEHIND_STEPS = 2      # a rank this many steps short of the furthest one is behind (one step is ordinary skew)
+
+
 def hang_from_progress(facts: RankFacts, catalog: Catalog) -> RootCause | None:
     """No error at all, but the ranks' progress stopped unevenly: some rank is stuck."""
     steps = facts.last_step
     if len(steps) < 2:
         return None
     low, high = min(steps.values()), max(steps.values())
-    if high - low < 2:
+    if high - low < BEHIND_STEPS:
         return None
     behind = tuple(sorted(r for r, s in steps.items() if s == low))
     rule = catalog.get("hang.no_progress") or fallback_rule("hang.no_progress", Category.HANG,

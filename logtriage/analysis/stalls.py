@@ -9,6 +9,7 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding, mask_numbers
+from logtriage.analysis.hangs import BEHIND_STEPS
 from logtriage.analysis.last_lines import (WAITING_WORDS, WINDOW, at_work_after_the_timeouts, last_worker_lines,
                                           pieces_before, ranked_pieces, went_on_alone, went_on_past_the_others)
 from logtriage.analysis.odd_start import odd_line_out
@@ -277,7 +278,7 @@ def behind_ranks_ended(scan: ScanResult, keys: list[StreamKey], root: RootCause 
         said = [piece for number, _, who, piece in pieces_before(scan, keys, source, last + WINDOW)
                 if number > last and who == rank and piece.strip()]
         glued_steps = [s for s in map(step_number, said) if s is not None]
-        if glued_steps and high - max(glued_steps) < 2:
+        if glued_steps and high - max(glued_steps) < BEHIND_STEPS:
             continue
         if not said or not _ENDED_ITS_LOOP.search(said[-1]):
             return root
