@@ -6,7 +6,11 @@ sample_logs/cpu_adhoc batch 442, labelled before triage ran). The notice is the 
 
 from __future__ import annotations
 
+import pytest
+
 from logtriage.api import triage
+from logtriage.catalog.loader import load_catalog
+from logtriage.catalog.matcher import match_line
 from sample_roots import SAMPLES, root_facts, verdict_and_root
 
 SLUG = "tremor_hang_np4_r1_pltorchrun"
@@ -31,3 +35,15 @@ def test_another_command_killed_is_no_time_limit(tmp_path):
     report = _without_timeout_in_the_notice(tmp_path)
     assert report["root_cause"]["rule_id"] != "hang.command_timeout"
     assert all(f["rule_id"] != "hang.command_timeout" for f in report["findings"])
+
+
+@pytest.mark.parametrize("command, limit", [
+    ("timeout --kill-after=5 60 setsid torchrun --nproc-per-node 4 train.py", True),
+    ("timeout -k 5 60 torchrun --nproc-per-node 4 train.py", True),
+    ("timeout -s KILL 2h python train.py", True),
+    ("timeout 600 python train.py", True),
+    ("python train.py --timeout 60", False),
+])
+def test_the_notice_is_the_limit_only_for_timeout_itself(command, limit):
+    rules = [hit.rule.id for hit in match_line(load_catalog(), f"./job.sh: line 9: 4242 Killed                  {command}")]
+    assert ("hang.command_timeout" in rules) is limit
