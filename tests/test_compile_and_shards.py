@@ -28,7 +28,7 @@ def test_a_backend_failure_is_dynamos_wrapper_around_the_backends_own_error():
 def test_a_short_template_label_before_torchs_own_rank_prefix_is_learned_from_a_few_lines():
     # shard_hidden_np4_r1_template: `[r1] [rank1]: ...` on only 24 of 80 lines (a long summary after them);
     # the exception line is the event, not the `raise` line above it that quotes the same words
-    assert _root("shard_hidden_np4_r1_template") == ("numerical.loss_nan", "numerical", 1, 10, "FloatingPointError")
+    assert _root("shard_hidden_np4_r1_template") == ("numerical.checked_nonfinite", "numerical", 1, 10, "FloatingPointError")
 
 
 def test_an_evaluation_scripts_non_finite_check_is_numerical():

@@ -13,7 +13,7 @@ from sample_roots import edited_report, root_facts
 
 def test_an_indexed_piece_of_data_torch_load_misses_is_a_missing_file():
     # `FileNotFoundError: ... '/tmp/job_work/flows_v2/flow_1.pt'` under torch.load on rank 1
-    assert root_facts("oflow_noflow_np3_r1_tee")[:3] == ("python.file_not_found", "python_exception", 1)
+    assert root_facts("oflow_noflow_np3_r1_tee")[:3] == ("data.file_not_found", "python_exception", 1)
 
 
 @pytest.mark.parametrize(("path", "data"), [

@@ -59,7 +59,7 @@ def test_a_floating_point_error_from_a_scripts_own_check_is_numerical(slug, rank
 
 def test_a_floating_point_error_about_the_loss_stays_the_loss_rule():
     # `FloatingPointError: rank 2: non-finite loss nan at step 1 (tau=0.0)`
-    assert _root("cgat_tau0_np4_r2_tee3") == ("failed", "numerical.loss_nan", "numerical", 2)
+    assert _root("cgat_tau0_np4_r2_tee3") == ("failed", "numerical.checked_nonfinite", "numerical", 2)
 
 
 def test_a_key_value_it_counter_is_a_step_and_a_longer_word_ending_in_it_is_not():

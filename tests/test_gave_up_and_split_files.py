@@ -45,7 +45,7 @@ def test_without_a_reason_on_the_exiting_ranks_last_line_the_exit_code_stays_alo
 def test_a_data_split_read_with_torch_load_is_a_missing_file_not_a_checkpoint():
     # `torch.load(f"{WORK}/pairs/{SCENES[r]}_{split}.pt")`: FileNotFoundError for `.../pairs/market_2_val.pt`
     rc = sample_report("oflw_archive_np4_r3_filter")["root_cause"]
-    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.file_not_found", "python_exception", 3)
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("data.file_not_found", "python_exception", 3)
 
 
 @pytest.mark.parametrize("name", ["market_2_best_val.pt", "model_val.pt", "ckpt_test.pt"])
@@ -83,7 +83,7 @@ def test_ranks_bare_lines_glued_on_one_line_are_read_apart_where_the_output_stop
 def test_a_data_folder_named_for_keypoints_holds_data():
     # `torch.load(f"{WORK}/keypoints_v2/{ds}_2d.pt")`: FileNotFoundError for `.../keypoints_v2/h36m_2d.pt`
     rc = sample_report("hpe_noarchive_np3_r2_wrapper")["root_cause"]
-    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.file_not_found", "python_exception", 2)
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("data.file_not_found", "python_exception", 2)
 
 
 def test_a_ranks_own_error_line_says_why_before_the_launchers_signal_says_how():
@@ -101,7 +101,7 @@ def test_a_ranks_own_error_line_says_why_before_the_launchers_signal_says_how():
 ])
 def test_a_file_named_for_a_store_of_data_is_data(slug, rank):
     rc = sample_report(slug)["root_cause"]
-    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.file_not_found", "python_exception", rank)
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("data.file_not_found", "python_exception", rank)
 
 
 @pytest.mark.parametrize("slug, rank", [
@@ -128,7 +128,7 @@ def test_a_shells_killed_with_no_sign_of_a_cpu_job_stays_the_oom_killer(tmp_path
 ])
 def test_a_missing_file_whose_path_has_no_word_of_a_checkpoint_is_data(slug, rank, path):
     rc = sample_report(slug)["root_cause"]
-    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.file_not_found", "python_exception", rank)
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("data.file_not_found", "python_exception", rank)
     assert path in rc["text"]
 
 

@@ -20,7 +20,7 @@ def test_a_logged_error_whose_format_carries_the_rank_before_the_level_is_the_ra
 
 def test_a_file_torch_load_misses_in_a_folder_named_for_its_data_is_a_missing_file():
     # `[1,3]<stderr>:[rank3]: FileNotFoundError: ... '/tmp/job_work/series/sensors_3.pt'` under torch.load
-    assert root_facts("tsad_nofile_np4_r3_mpitag") == ("python.file_not_found", "python_exception", 3, 21,
+    assert root_facts("tsad_nofile_np4_r3_mpitag") == ("data.file_not_found", "python_exception", 3, 21,
                                                        "FileNotFoundError")
 
 

@@ -28,7 +28,7 @@ def test_a_retry_that_finished_makes_the_first_launchs_failure_a_recovered_one()
 def test_a_retry_loop_is_judged_by_its_last_launch():
     # wrap_retrynan_np4_r2_retry: three launches, three different failures; the job ends on the third,
     # rank 2's NaN loss (the first traceback in the file is the first launch's ValueError on rank 1)
-    assert _root(_report("wrap_retrynan_np4_r2_retry")) == ("failed", "numerical.loss_nan", "numerical", 2, 276)
+    assert _root(_report("wrap_retrynan_np4_r2_retry")) == ("failed", "numerical.checked_nonfinite", "numerical", 2, 276)
 
 
 @pytest.mark.parametrize("slug, rank, line", [

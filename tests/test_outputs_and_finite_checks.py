@@ -84,8 +84,8 @@ def test_a_configs_short_bound_is_no_report_field():
     # torch.load of `/tmp/job_work/scans_v2/shard_003.pt`: a numbered data shard
     ("pcd_cloudfile_np4_r3_filter", 3, 18),
 ])
-def test_a_missing_data_shard_loaded_with_torch_load_is_a_missing_file_not_a_checkpoint(slug, rank, line):
-    assert root_facts(slug) == ("python.file_not_found", "python_exception", rank, line, "FileNotFoundError")
+def test_a_missing_data_shard_loaded_with_torch_load_is_a_missing_data_file_not_a_checkpoint(slug, rank, line):
+    assert root_facts(slug) == ("data.file_not_found", "python_exception", rank, line, "FileNotFoundError")
 
 
 def test_the_rank_whose_last_line_names_the_next_step_in_its_own_words_is_the_one_the_others_waited_for():

@@ -84,7 +84,7 @@ def test_a_stop_when_only_one_rank_had_printed_a_step_is_a_hang_at_that_rank():
     ("chook_fp16inf_np6_r5_wrapper", 5),
 ])
 def test_a_nan_on_every_rank_starts_at_the_rank_whose_loss_left_the_others_first(slug, rank):
-    assert _root(slug) == ("failed", "numerical.loss_nan", "numerical", rank)
+    assert _root(slug) == ("failed", "numerical.checked_nonfinite", "numerical", rank)
 
 
 def test_a_loss_leaves_the_others_only_when_they_agree_and_it_alone_is_far_off():

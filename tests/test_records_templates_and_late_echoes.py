@@ -129,4 +129,4 @@ def test_in_a_stopped_start_up_the_rank_whose_last_line_has_another_shape_is_the
 
 def test_a_style_image_torch_load_misses_is_a_missing_file_not_a_checkpoint():
     # `FileNotFoundError: ... '/tmp/job_work/styles/style01.pt'` under torch.load (209th batch)
-    assert root_facts("gan2_stylefile_np3_r1_tee_trainer")[:3] == ("python.file_not_found", "python_exception", 1)
+    assert root_facts("gan2_stylefile_np3_r1_tee_trainer")[:3] == ("data.file_not_found", "python_exception", 1)

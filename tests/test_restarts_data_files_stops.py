@@ -50,7 +50,7 @@ def test_a_key_missing_from_a_loaded_checkpoint_is_the_checkpoints():
 def test_a_missing_data_file_saved_with_torch_save_is_not_a_checkpoint(slug, rank):
     rc = root_cause(slug)
     assert (rc["rule_id"], rc["category"], rc["rank"], rc["exception_type"]) == (
-        "python.file_not_found", "python_exception", rank, "FileNotFoundError")
+        "data.file_not_found", "python_exception", rank, "FileNotFoundError")
 
 
 def test_a_missing_file_named_for_checkpoints_stays_a_checkpoint(tmp_path):
@@ -122,7 +122,7 @@ def test_a_programs_own_error_naming_a_missing_library_is_the_environments(slug,
     ("estop_patreset_np4_r2_plain", 2, 78),
 ])
 def test_the_rank_whose_last_line_says_another_size_sent_the_message_gloo_aborted_on(slug, rank, line):
-    assert root_facts(slug) == ("gloo.size_mismatch", "collective_mismatch", rank, line, None)
+    assert root_facts(slug) == ("gloo.size_mismatch", "collective_mismatch", rank, line, "gloo::EnforceNotMet")
 
 
 def test_last_lines_alike_leave_gloos_abort_on_the_receiver(tmp_path):
@@ -134,7 +134,7 @@ def test_last_lines_alike_leave_gloos_abort_on_the_receiver(tmp_path):
 def test_a_rank_the_monitored_barrier_names_that_aborted_on_gloos_size_check_is_a_mismatch():
     # DETAIL: rank 0's monitoredBarrier names rank 3, which died of SIGABRT after gloo's unprefixed `op.preamble
     # .length <= op.nbytes. 1024 vs 512. Received data size doesn't match expected size`
-    assert root_facts("rec_splits_np5_r3_detail") == ("gloo.size_mismatch", "collective_mismatch", 3, 11, None)
+    assert root_facts("rec_splits_np5_r3_detail") == ("gloo.size_mismatch", "collective_mismatch", 3, 11, "gloo::EnforceNotMet")
 
 
 @pytest.mark.parametrize("slug", ["lrs_stall_np3_r1_tee", "lm_valhang_np3_r1_tee"])
@@ -173,7 +173,7 @@ def test_a_supervisors_report_of_a_ranks_exit_code_names_the_rank():
 def test_a_missing_training_shard_is_data():
     # torch.load of `.../shards/train_00004.pt`
     rc = root_cause("vit_noshard_np5_r4_tee")
-    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.file_not_found", "python_exception", 4)
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("data.file_not_found", "python_exception", 4)
 
 
 def test_a_restart_whose_one_worker_timed_out_before_any_progress_failed_of_the_first_attempts_signal():

@@ -1831,7 +1831,7 @@ def test_a_json_records_escaped_traceback_gives_its_exception(tmp_path):
     rc = _report(tmp_path / "k.log", "[default2]:" + record(2, "KeyError: 'y'"))["root_cause"]
     assert (rc["rule_id"], rc["rank"], rc["exception_type"]) == ("python.exception", 2, "KeyError")
     rc = _report(tmp_path / "n.log", "[default0]:" + record(0, "FloatingPointError: loss is nan at step 3"))["root_cause"]
-    assert (rc["rule_id"], rc["rank"], rc["exception_type"]) == ("numerical.loss_nan", 0, "FloatingPointError")
+    assert (rc["rule_id"], rc["rank"], rc["exception_type"]) == ("numerical.checked_nonfinite", 0, "FloatingPointError")
 
 
 def test_errors_as_renderers_print_them(tmp_path):
@@ -1847,7 +1847,7 @@ def test_errors_as_renderers_print_them(tmp_path):
         '    raise FloatingPointError(f"loss is {loss.item()} at step {step}")',
         "FloatingPointError: loss is nan at step 3"))
     rc = _report(tmp_path / "l.log", text)["root_cause"]
-    assert (rc["rule_id"], rc["rank"], rc["line"], rc["exception_type"]) == ("numerical.loss_nan", 7, 5, "FloatingPointError")
+    assert (rc["rule_id"], rc["rank"], rc["line"], rc["exception_type"]) == ("numerical.checked_nonfinite", 7, 5, "FloatingPointError")
     text = "".join(f"[default|r2] [rank2]: {line}\n" for line in (
         "╭──── Traceback (most recent call last) ────╮", "│ /tmp/job/fault36.py:173 in main            │",
         "╰───────────────────────────────────────────╯", "RuntimeError: ",

@@ -51,10 +51,12 @@ def test_sample_diagnosis(case):
 
 
 # Labels that name another rule than the catalog's for the same failure (each console case says so in its
-# known_miss): a loss's own finite check is numerical.loss_nan's; a missing data file saved with torch.save is
-# python.file_not_found's, and one under a rank's cache folder (`mask_cache/mask_r3.npy`) data.file_not_found's;
+# known_miss): the program's own FloatingPointError over its loss is numerical.checked_nonfinite's, where some
+# labels name numerical.loss_nan (and older ones the other way); a missing file that is data by its name is
+# data.file_not_found's, where some labels name the generic python.file_not_found (and some the other way);
 # a FileNotFoundError a label gives the generic python.exception is python.file_not_found's.
 RULE_CONVENTIONS = frozenset({("numerical.checked_nonfinite", "numerical.loss_nan"),
+                              ("numerical.loss_nan", "numerical.checked_nonfinite"),
                               ("data.file_not_found", "python.file_not_found"),
                               ("python.file_not_found", "data.file_not_found"),
                               ("python.exception", "python.file_not_found")})

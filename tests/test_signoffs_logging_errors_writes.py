@@ -88,7 +88,7 @@ def test_a_programs_own_line_about_an_unset_variable_is_the_environment():
     ("estop_patreset_np5_r1_tee_trainer", 1, 96),
 ])
 def test_gloos_size_abort_moves_to_the_rank_whose_late_line_names_another_size(slug, rank, line):
-    assert root_facts(slug) == ("gloo.size_mismatch", "collective_mismatch", rank, line, None)
+    assert root_facts(slug) == ("gloo.size_mismatch", "collective_mismatch", rank, line, "gloo::EnforceNotMet")
 
 
 def test_a_restart_that_times_out_in_ddps_constructor_is_the_echo_of_the_first_attempt():
@@ -152,7 +152,7 @@ def test_agents_waiting_in_their_own_rendezvous_keys_is_a_rendezvous_failure():
 def test_a_missing_token_cache_saved_with_torch_save_is_a_missing_file():
     # `No such file or directory: '/tmp/job_work/once1_tokens.pt'`, read by torch.load before rank 0 built it
     assert root_facts("elas_once_np4_r2_restart") == (
-        "python.file_not_found", "python_exception", 2, 24, "FileNotFoundError")
+        "data.file_not_found", "python_exception", 2, 24, "FileNotFoundError")
 
 
 def test_the_summarys_exit_of_a_restarted_attempt_is_not_a_silent_first_death():
@@ -172,9 +172,9 @@ def test_a_validation_that_got_a_non_finite_value_is_numerical(slug, rank, line)
 
 def test_a_missing_data_case_saved_with_torch_save_is_a_missing_file():
     # `No such file or directory: '/tmp/job_work/miss1_case_3_3.pt'`: a volume of the dataset, not a checkpoint
-    assert root_facts("vol3d_missing_np4_r3_filter")[:3] == ("python.file_not_found", "python_exception", 3)
+    assert root_facts("vol3d_missing_np4_r3_filter")[:3] == ("data.file_not_found", "python_exception", 3)
 
 
 def test_a_missing_replay_buffer_saved_with_torch_save_is_a_missing_file():
     # `No such file or directory: '/tmp/job_work/prev_run/replay_rank3_task0.pt'`: a replay buffer, data
-    assert root_facts("cont_replaymiss_np4_r3_filter")[:3] == ("python.file_not_found", "python_exception", 3)
+    assert root_facts("cont_replaymiss_np4_r3_filter")[:3] == ("data.file_not_found", "python_exception", 3)

@@ -31,9 +31,9 @@ def test_the_rank_that_went_on_past_a_line_whose_values_differ_in_sign_is_the_on
 
 def test_a_missing_piece_whose_name_joins_words_before_its_number_is_data():
     # torch.load of `/tmp/job_work/sessions/clicks_part2.pt` on rank 2 under the legacy launcher
-    assert root_facts("clkm_nolog_np3_r2_legacy")[:3] == ("python.file_not_found", "python_exception", 2)
+    assert root_facts("clkm_nolog_np3_r2_legacy")[:3] == ("data.file_not_found", "python_exception", 2)
     # a relative `data/conf_train_dedup_r2.pt` on rank 2 under Open MPI's tags
-    assert root_facts("schn_nofile_np3_r2_mpitag")[:3] == ("python.file_not_found", "python_exception", 2)
+    assert root_facts("schn_nofile_np3_r2_mpitag")[:3] == ("data.file_not_found", "python_exception", 2)
 
 
 def test_the_rank_that_stayed_at_a_line_every_other_rank_went_on_from_is_the_one_they_waited_for():

@@ -26,7 +26,7 @@ from logtriage.analysis.hangs import (
     world_incomplete,
 )
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid, shared_gpu
-from logtriage.analysis.invalid_values import finite_invalid_values
+from logtriage.analysis.invalid_values import finite_invalid_values, own_loss_check
 from logtriage.analysis.lone_notice import hang_answered_alone, notice_ended_hang, stop_notices
 from logtriage.analysis.loss_outlier import loss_outlier_rank, shared_nan_then_one_check
 from logtriage.analysis.odd_start import odd_start_rank
@@ -146,7 +146,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = size_abort_sender(different_collectives_at_one_seq(root, findings, catalog), scan, keys, findings,
                                  facts.known)
         root = loss_outlier_rank(scan, keys, shared_nan_then_one_check(scan, keys, root, findings))
-        root = finite_invalid_values(scan, root, catalog)
+        root = own_loss_check(finite_invalid_values(scan, root, catalog), findings, catalog)
         root = watchdog_spared_rank(late_rank_went_on(scan, keys, root, findings), findings, facts)
         root = came_late_to_the_collective(scan, keys, root, findings)
         root = store_wait_after_progress(root, findings, facts, first_progress(stream_stats), catalog)

@@ -84,6 +84,7 @@ _MODEL_PATH_WORDS = (_CHECKPOINT_WORDS + r"|latest|pretrain|resume|warm|param|te
 _NO_CHECKPOINT_WORD_IN_PATH = re.compile(
     r"No such file or directory: '(?![^']*(?:" + _MODEL_PATH_WORDS + r"))[^']*\.pth?'", re.IGNORECASE)
 FILE_NOT_FOUND_RULE = "python.file_not_found"
+DATA_FILE_RULE = "data.file_not_found"
 _MISSING_PATH = re.compile(r"is not a valid (?:directory|file|path)|does not exist|(?:not found|No such file)\b")
 # an object store answering that the key is not there (botocore's ClientError)
 _MISSING_OBJECT = re.compile(r"\((?:404|NoSuchKey)\) when calling the \w+ operation")
@@ -100,13 +101,15 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
     f = root.finding
     data_file = f is not None and (_DATA_FILE.search(f.text) is not None or _NO_CHECKPOINT_WORD_IN_PATH.search(
         f.text) is not None) and not _CHECKPOINT_NAMED.search(f.text)
-    if data_file and root.rule.id == "ckpt.not_found":
+    if data_file and root.rule.id in ("ckpt.not_found", FILE_NOT_FOUND_RULE):
         # torch.load of a data file saved with torch.save (a shard under data/, a cache of a teacher's
-        # logits, a graph partition): a checkpoint's suffix, but the file is data
-        rule = catalog.get(FILE_NOT_FOUND_RULE) or fallback_rule(FILE_NOT_FOUND_RULE, Category.PYTHON_EXCEPTION,
-                                                                 "A file does not exist")
+        # logits, a graph partition): a checkpoint's suffix, but the file is data; and any missing file
+        # that is data by its name is the data rule's, as labellers name it (226 to 94 of the labelled runs)
+        rule = catalog.get(DATA_FILE_RULE) or fallback_rule(DATA_FILE_RULE, Category.PYTHON_EXCEPTION,
+                                                            "A data file does not exist")
         return replace(root, rule=rule, reasons=root.reasons + (
-            "the missing file is data by its name (saved with torch.save, read with torch.load), not a checkpoint",))
+            "the missing file is data by its name (a shard, a split, a folder of data; saved with torch.save, "
+            "read with torch.load), not a checkpoint",))
     if f is not None and root.rule.id == WRITE_FAILED_RULE and _OUTPUT_WRITTEN.search(f.text):
         return read_as(root, catalog, GENERIC_EXCEPTION_RULE, "the file torch.save could not write is the program's "
                        "output by its name (samples, predictions, embeddings, plots), not a checkpoint")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+from logtriage.analysis.exception_names import short_type
+from logtriage.analysis.findings import Finding
 from logtriage.analysis.roots import RootCause, read_as
 from logtriage.analysis.stopped import message_of
 from logtriage.catalog.loader import Catalog
@@ -17,6 +19,11 @@ from logtriage.scan_result import ScanResult
 CHECK_RULE = "numerical.nonfinite_value"
 SHOWN_LINES = 8          # the refused tensor's lines read below the error
 _NONFINITE = re.compile(r"\b(?:nan|inf)\b", re.IGNORECASE)
+LOSS_RULE = "numerical.loss_nan"
+RAISED_WITHIN = 40       # lines from a printed non-finite loss to the exception the program raised over it
+OWN_CHECK_RULE = "numerical.checked_nonfinite"
+# a file of an installed package (a framework's trainer), not the job's own code
+_INSTALLED_FILE = re.compile(r"[/\\](?:site|dist)-packages[/\\]")
 
 
 def finite_invalid_values(scan: ScanResult, root: RootCause, catalog: Catalog) -> RootCause:
@@ -32,6 +39,25 @@ def finite_invalid_values(scan: ScanResult, root: RootCause, catalog: Catalog) -
         f"the values the {f.captures['distribution']} check refused are all finite (`{shown[:80]}`): they break "
         f"its constraint ({f.captures.get('constraint', '?')}), which the program's own arithmetic did, not a NaN "
         "or inf"))
+
+
+def own_loss_check(root: RootCause, findings: list[Finding], catalog: Catalog) -> RootCause:
+    """numerical.loss_nan where the program raised a FloatingPointError over it (`raise
+    FloatingPointError(f"loss is nan at step {step}")` on the root's line or just after it in the same
+    stream, its innermost frame in the job's own files) is numerical.checked_nonfinite, the program's own
+    check, whichever value it checked, as the labels of the CPU runs name it. A framework's check (an
+    innermost frame in site-packages: detectron2's `_detect_anomaly`) stays the loss's."""
+    f = root.finding
+    if root.rule.id != LOSS_RULE or f is None:
+        return root
+    raised = next((g for g in findings if g.stream == f.stream and g.source == f.source
+                   and f.line <= g.line <= f.line + RAISED_WITHIN and short_type(g.exception_type) == "FloatingPointError"),
+                  None)
+    if raised is None or _INSTALLED_FILE.search(raised.last_file):
+        return root
+    return read_as(root, catalog, OWN_CHECK_RULE, (
+        "the program raised a FloatingPointError over it in its own code (not a framework's): its own "
+        "finiteness check, here of the loss"))
 
 
 def _refused_values(scan: ScanResult, source: int, line: int) -> str:

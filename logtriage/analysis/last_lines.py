@@ -41,23 +41,9 @@ def pieces_before(scan: ScanResult, keys: list[StreamKey], source: int, end: int
             break
         key = keys[scan.slots.final(index.slots[number - 1])]
         own = key.rank if key.kind is StreamKind.RANK else None
-        for piece in (bare for glued in split_glued(message_of(texts.get(number, ""))) for bare in _split_bare(glued)):
+        for piece in split_glued(message_of(texts.get(number, ""))):
             marked = find_rank_marker(piece)
             yield number, key, own if marked is None else marked, piece
-
-
-# a script's bare `rank N ` at a line's start, and the same glued on after the end of another rank's print (`rank 1
-# step 1 loss 1.9445 ... lesion 0.000rank 0 step 1 loss 1.9445 ...`: unbuffered ranks of a hand-made loop)
-_BARE_START = re.compile(r"^rank \d{1,6}[ :/]")
-_BARE_GLUED = re.compile(r"(?<=[\d.)\]%])rank \d{1,6}[ :/]")
-
-
-def _split_bare(piece: str) -> list[str]:
-    """A piece that starts with a bare rank marker, cut where another such marker is glued on."""
-    if not _BARE_START.match(piece):
-        return [piece]
-    cuts = [m.start() for m in _BARE_GLUED.finditer(piece, 1)]
-    return [piece[a:b] for a, b in zip([0] + cuts, cuts + [len(piece)])]
 
 
 def last_worker_lines(scan: ScanResult, keys: list[StreamKey], source: int,

@@ -3,6 +3,7 @@ collapsed per rule and rank, identical per-rank lines counted once."""
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 from logtriage.analysis.diagnose import Diagnosis
@@ -48,6 +49,10 @@ def build_report(scan: ScanResult, diag: Diagnosis, redact: Callable[[str], str]
 
 
 NEARBY_LINES = 200
+# the C++ runtime's words for an exception nothing caught (`terminate called after throwing an instance of
+# 'gloo::EnforceNotMet'`), and its message on the next line (`  what():  [enforce fail at ...`)
+_THROWN = re.compile(r"terminate called after throwing an instance of '([\w:<>, ]+)'")
+_WHAT = re.compile(r"^\W{0,3}\s*what\(\): ")
 
 
 def _root_view(scan: ScanResult, diag: Diagnosis, root: RootCause | None, names: list[str],
@@ -74,6 +79,12 @@ def _exception_type(scan: ScanResult, diag: Diagnosis, finding: Finding) -> str 
     `RuntimeError: CUDA error` traceback)."""
     if finding.exception_type:
         return finding.exception_type
+    if _WHAT.search(finding.text) and 0 <= finding.source < len(scan.sources):
+        # C++'s `what():` line of an uncaught exception: its type is on the line above it
+        above = read_lines(scan.sources[finding.source], scan.indexes[finding.source], [finding.line - 1])
+        thrown = _THROWN.search(above.get(finding.line - 1, ""))
+        if thrown:
+            return thrown.group(1)
     stream = finding.stream
     # the same error again soon after, as an exception line (spliced pastes; an unprefixed C++ warning
     # of torchrun's store, then the agent's own traceback ending in that error; an unprefixed NCCL
