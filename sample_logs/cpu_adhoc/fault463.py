@@ -27,7 +27,24 @@ Faults:
   none        - control, clean run
 
 What happened (filled in after the runs):
-  (see below)
+  cultivar    - KeyError: 'Kennebec' at start-up, peers SIGTERMed by the agent (np4 r2 tee; np6 r0 loglevel)
+  lesionlabel - IndexError 'Target 3 is out of bounds.' at step 0; peers Connection closed by peer (np3 r1 pymodule);
+                np8 r5 filter: Root Cause names local_rank 4 SIGABRT (filtered out), rank 5 listed as SIGTERM
+  notiles     - FileNotFoundError plots/rescan/plot_N.pt at start-up (np4 r3 wrapper; np3 r0 tee_trainer)
+  ckptsize    - load_state_dict size mismatch head.weight [4,1028] vs [3,1028] on rank 1 (np4 pdsh2)
+  ckptpickle  - UnpicklingError 'Weights only load failed ... __main__.FieldMeta', only in rank 2's stderr.log;
+                the console shows just Root Cause rank 2 exit 1 (np3 r2 redirects)
+  histgather  - DETAIL: every rank 'Detected mismatch between collectives', rank 4 TensorShape=[4] (np6 r4 detail);
+                plain: rank 0 'allgather: invalid tensor size at index 0 (expected (4), got (3))' (np3 r0 plain)
+  slowaug     - peers 'Timed out waiting 12000ms for recv/send', the slow rank 1 SIGTERMed silently (np3 r1 prefix)
+  stuckcache  - 'waiting for patch cache lock', silence, timeout at 60 s, exit 124 (np4 r2 plain; np3 r0 tee)
+  nanexposure - 'non-finite loss nan at step 3 (exposure 0.000, max pixel inf)', FloatingPointError (np6 r2 loglevel);
+                np4 r3 restart: the restart fails at start-up in Gloo connectFullMesh, final Root Cause rank 0
+  sigsegv     - exitcode -11 (SIGSEGV) after step 3, peers connection reset/closed (np4 r1 tee_trainer); np3 r2 restart:
+                the restart fails in Gloo connectFullMesh, final Root Cause rank 0 exit 1
+  exit4       - rank N's calibration ERROR line, Root Cause exitcode 4 (np3 r1 pymodule; np5 r3 wrapper)
+  patchsize   - every rank 'mat1 and mat2 shapes cannot be multiplied (24x1604 and 1028x3)' (np3 detail, --ddp 0)
+  none        - clean: 6 steps on 3 ranks, rank 0 saved export/blightnet.pt, exit 0 (np3 plain)
 """
 import argparse
 import logging
