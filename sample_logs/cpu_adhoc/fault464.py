@@ -28,7 +28,25 @@ Faults:
   none       - control, clean run
 
 What happened (filled in after the runs):
-  (see below)
+  unktoken   - "KeyError: 'lambda'" from encode() at start-up; peers SIGTERMed; Root Cause rank N (np4 r2 acc, np5 r0 torchrun)
+  noshard    - FileNotFoundError for data/holdout/shard_N.json at start-up (np3 r1 accconfig; np4 r3 acc2nodes, node 0's
+               ranks then Connection closed by peer)
+  ckptsize   - load_state_dict size mismatch for enc.weight_ih_l0 [144,16] vs [96,16] (np3 r2 tee, np4 r0 acc2nodes)
+  pickled    - UnpicklingError 'Weights only load failed ... Unsupported global: GLOBAL __main__.Vocab' (np5 r3 accdebug)
+  longcomment- 'IndexError: index out of range in self' at step 2; peers Connection closed by peer (np4 r1 torchrun)
+  gatherlen  - a PEER aborts: gloo::EnforceNotMet 'op.preamble.length <= op.nbytes. 6 vs 2 ... collective mismatch'
+               (SIGABRT, named Root Cause); rank N gets Connection reset by peer (np3 r1 acc, np6 r4 tee)
+  slowbleu   - ranks 0,1 'Timed out waiting 12000ms for send/recv'; slow rank 2 silent, SIGTERMed (np3 r2 accconfig)
+  hang       - steps 0-2, then silence; timeout at 60 s, 'Received 15 death signal', exit 124 (np4 r1 acc)
+  nanloss    - the check prints 'non-finite loss nan at step 3' and raises FloatingPointError (np4 r3 accdebug, np5 r1 tee)
+  sigsegv    - no traceback; Root Cause exitcode -11 (SIGSEGV) after step 2 (np3 r0 torchrun, np4 r2 acc2nodes)
+  exit4      - the rank's ERROR line and exit 4 after step 5; peers closed in wait_for_everyone (np6 r5 accconfig,
+               np3 r0 torchrun)
+  vocabshape - did NOT reach the forward: every rank's start-up load_state_dict refuses out.weight [32,64] vs [32,32]
+               (size mismatch; np3 accdebug)
+  hfcallback - 'RuntimeError: StepCallback: comment-length budget exceeded on rank 1' after step 2 (np3 r1, torchrun)
+  hfcollate  - "KeyError: 'labels'" in the collator on the prefetched second batch, before step 1 (np4 r0, accelerate)
+  none       - clean: 6 steps on 3 ranks, rank 0 saved export/cmtgen.pt, exit 0 (np3 acc)
 """
 import argparse
 import json
