@@ -29,7 +29,25 @@ Faults:
   none        - control, clean run
 
 What happened (filled in after the runs):
-  see /work/main/.scratch/readme_462.md (filled in below after the runs)
+  feeder      - KeyError: 'FDR-0917B' at start-up; peers Connection closed by peer in all_gather (np4 r2 ranklabel); spawn
+                SIGTERMs the rest, ProcessRaisedException for process 0 (np6 r0 spawn)
+  holiday     - 'IndexError: index 365 is out of bounds for dimension 0 with size 365' at step 3; peers Connection closed
+                (np3 r1 mpitag; np4 r3 logfmt, Root Cause rank 3)
+  nometer     - FileNotFoundError for meters/2025/region_N.pt at start-up; peers closed (np4 r1 srunlabel, np3 r2 files)
+  ckptsize    - load_state_dict size mismatch for head.weight [48, 64] vs [24, 64] (np4 r1 pdsh2: worker-1's agent
+                Root Cause, worker-0's agent RendezvousConnectionError; np3 r0 legacy)
+  weightsonly - UnpicklingError 'Weights only load failed ... GLOBAL __main__.LoadScaler' (np5 r3 tee)
+  peakgather  - 'ProcessGroupGloo::allgather: invalid tensor size at index 0 (expected (25), got (24))' after step 5;
+                peers closed; no 'rank 0 done' (np6 r4 bashloop, np3 r1 srunlabel)
+  reconcile   - 12 s: ranks 0-1 'Timed out waiting 12000ms for recv' in the step-2 all_reduce, rank 2 later closed by peer
+                (np3 r2 bashloop); 300 s: output stops after step 1, killed at 60 s, exit 124 (np4 r1 ranklabel)
+  negload     - 'rank N step 2: loss is nan ...' then FloatingPointError; peers closed (np8 r5 tee --ddp 0, np4 r0 mpitag)
+  sigsegv     - no traceback from rank N after step 4; bash 'Segmentation fault', exit 139 (np4 r3 ranklabel);
+                ProcessExitedException 'process 1 terminated with signal SIGSEGV' (np3 r1 spawn)
+  exit4       - rank N's frozen-SCADA ERROR line and exit 4; Root Cause rank 2 exitcode 4 (np5 r2 legacy); rank1.log,
+                loop exit 4 (np4 r1 files)
+  lagwidth    - every rank 'mat1 and mat2 shapes cannot be multiplied (32x102 and 78x64)'; Root Cause rank 0 (np3 logfmt)
+  none        - clean: 6 steps on 3 ranks, rank 0 saved export/loadnet.pt, exit 0 (np3 bashloop)
 """
 import argparse
 import json
