@@ -25,18 +25,18 @@ Faults:
   none        - control, clean run
 
 What happened (filled in after the runs):
-  species     - FILL
-  nofile      - FILL
-  ckptsize    - FILL
-  pickle      - FILL
-  gathershape - FILL
-  slowpeak    - FILL
-  nanfreq     - FILL
-  sigkill     - FILL
-  sigsegv     - FILL
-  exit4       - FILL
-  melwidth    - FILL
-  none        - FILL
+  species     - KeyError: 'Culex tarsalis' in the DataLoader at step 2; peers Connection closed by peer (np4 r2 torchrun, np5 r0 bashloop)
+  nofile      - FileNotFoundError for wav/field/wing_N.pt before the first step; peers Connection closed by peer (np3 r1 tee, np4 r3 fabric)
+  ckptsize    - load_state_dict size mismatch [48,32,3] vs [32,32,3] etc. in setup(); peers Connection closed (np4 r1 own launcher, np3 r2 fabric)
+  pickle      - after 6 clean steps, UnpicklingError 'Weights only load failed ... Unsupported global: GLOBAL __main__.RecorderMeta'; only rank N fails (np3 r1 loglevel)
+  gathershape - a receiving peer aborts: gloo::EnforceNotMet 'Received data size doesn't match expected size' (SIGABRT, Root Cause names that peer) (np4 r2 torchrun, np3 r0 fabric)
+  slowpeak    - 12 s: ranks 0/2 'Timed out waiting 12000ms', rank 1 kept searching, loop ended by timeout, exit 124 (np3 r1 bashloop); 300 s: silent, killed at 60 s, exit 137 (np4 r2 loglevel)
+  nanfreq     - the program's check: FloatingPointError '6144 non-finite feature values' at step 4; peers closed (np5 r3 tee, np3 r1 fabric)
+  sigkill     - no traceback from rank N after step 2; bash 'Killed', exit 137 (np4 r1 bashloop); Root Cause exitcode -9 SIGKILL (np3 r2 torchrun)
+  sigsegv     - no traceback from rank 4 after step 3; Root Cause exitcode -11 SIGSEGV (np6 r4 loglevel)
+  exit4       - rank N's ERROR line (8000 Hz) and exit 4 at fit start; peers closed in a barrier (np3 r0 own launcher exit 4, np4 r2 tee exit 1)
+  melwidth    - every rank: 'expected input[8, 40, 24] to have 32 channels, but got 40 channels instead' in the first forward (np3 bashloop)
+  none        - clean: 6 steps on 3 ranks, rank 0 saved export/wingnet.pt, exit 0 (np3 own launcher)
 """
 import argparse
 import os
