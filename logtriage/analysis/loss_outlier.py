@@ -71,7 +71,7 @@ def _nonfinite_named_value(scan: ScanResult, keys: list[StreamKey], root: RootCa
     lone = {name: next(r for r, ok in by_rank.items() if not ok) for name, by_rank in finite.items()
             if sum(not ok for ok in by_rank.values()) == 1 and sum(by_rank.values()) >= MIN_OTHERS}
     if len(set(lone.values())) != 1:
-        return root
+        return _lone_nonfinite_count(scan, keys, root)
     rank = next(iter(lone.values()))
     if rank == root.rank:
         return root
@@ -79,6 +79,30 @@ def _nonfinite_named_value(scan: ScanResult, keys: list[StreamKey], root: RootCa
     return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.5), reasons=(
         *root.reasons, f"rank {rank} alone printed its {', '.join(names[:3])} as inf or nan, where every other rank "
         "printed finite values: the non-finite value started on it, and the all-reduce spread it"))
+
+
+# a rank's own count of the non-finite values it found (`384 non-finite input values`, `0 NaN pixels`)
+_NONFINITE_COUNT = re.compile(r"\b(\d+) (?:non-?finite|nan|inf|infinite)\b", re.IGNORECASE)
+
+
+def _lone_nonfinite_count(scan: ScanResult, keys: list[StreamKey], root: RootCause) -> RootCause:
+    """Several ranks raised the same numerical error; each printed its own count of the non-finite values it
+    found, and exactly one rank counted any (`rank 1: ...; 384 non-finite input values` where every other
+    rank, MIN_OTHERS or more, says `0 non-finite input values`): its data held them, and it started there."""
+    f = root.finding
+    counted: dict[int, int] = {}
+    for _, _, rank, piece in pieces_before(scan, keys, f.source, f.line + AFTER):
+        if rank is None or _NOT_PROGRESS.search(piece):
+            continue
+        for number in _NONFINITE_COUNT.findall(piece):
+            counted[rank] = max(counted.get(rank, 0), int(number))
+    found = [r for r, n in counted.items() if n > 0]
+    if len(found) != 1 or len(counted) - 1 < MIN_OTHERS or found[0] == root.rank:
+        return root
+    rank = found[0]
+    return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.5), reasons=(
+        *root.reasons, f"rank {rank} alone counted non-finite values in what it read ({counted[rank]}), where every "
+        "other rank counted none: the non-finite values started on it, and the all-reduce spread them"))
 
 
 def _losses_by_step(scan: ScanResult, keys: list[StreamKey], source: int, end: int) -> dict[int, dict[int, float]]:
