@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from logtriage.api import triage
 from logtriage.demux.split import split_glued
 from sample_roots import root_facts
 
@@ -37,3 +38,25 @@ def test_a_cpp_exception_names_its_type_from_the_terminate_line_above_its_messag
     # `terminate called after throwing an instance of 'gloo::EnforceNotMet'` at line 15, its `what():` at 16
     assert root_facts("recipe_gathershape_np3_r2_acc") == (
         "gloo.size_mismatch", "collective_mismatch", 2, 16, "gloo::EnforceNotMet")
+
+
+def test_the_thrown_type_is_read_behind_torchs_rank_prefix_too(tmp_path):
+    log = tmp_path / "what.log"
+    log.write_text("[rank0]: step 1\n"
+                   "[rank2]:terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+                   "[rank2]:  what():  [enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+                   "pair.cc:456] op.preamble.length <= op.nbytes. 20 vs 18. Received data size doesn't match expected "
+                   "size. Is there a distributed collective mismatch in your code?\n")
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["line"], rc["exception_type"]) == ("gloo.size_mismatch", 2, 3,
+                                                                            "gloo::EnforceNotMet")
+
+
+def test_a_what_line_with_no_terminate_line_above_names_no_cpp_type(tmp_path):
+    log = tmp_path / "what.log"
+    log.write_text("[rank0]: step 1\n"
+                   "[rank2]:  what():  [enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+                   "pair.cc:456] op.preamble.length <= op.nbytes. 20 vs 18. Received data size doesn't match expected "
+                   "size. Is there a distributed collective mismatch in your code?\n")
+    rc = triage([str(log)]).to_dict()["root_cause"]
+    assert rc["rule_id"] == "gloo.size_mismatch" and rc["exception_type"] is None

@@ -74,7 +74,8 @@ def _root_view(scan: ScanResult, diag: Diagnosis, root: RootCause | None, names:
 
 
 def _exception_type(scan: ScanResult, diag: Diagnosis, finding: Finding) -> str | None:
-    """The exception the root line belongs to: its own, its traceback's, the same error's soon after,
+    """The exception the root line belongs to: its own, C++'s type on the line above its `what():`, its
+    traceback's, the same error's soon after,
     or the first traceback of the same stream that starts soon after it (a device-side assert printed before the
     `RuntimeError: CUDA error` traceback)."""
     if finding.exception_type:
