@@ -63,3 +63,14 @@ def test_the_same_raise_in_an_installed_package_stays_the_losss(tmp_path):
                            '"/usr/lib/python3/dist-packages/trainer/loop.py"', tmp_path)
     assert report["root_cause"]["rule_id"] == "numerical.loss_nan"
     assert report["root_cause"]["rank"] == 1
+
+
+def test_the_raise_is_found_past_a_long_framework_traceback():
+    # line 55 `rank 4: loss is nan at step 3, ...`, then a 110-line Lightning traceback ending in rank 4's own
+    # `raise FloatingPointError(...)` (line 167)
+    assert root_facts("lyric_nanloss_np6_r4_pltorchrun")[:4] == ("numerical.checked_nonfinite", "numerical", 4, 55)
+
+
+def test_another_exception_raised_over_the_loss_is_no_finite_check(tmp_path):
+    report = edited_report("lyric_nanloss_np6_r4_pltorchrun", "FloatingPointError", "RuntimeError", tmp_path)
+    assert (report["root_cause"]["rule_id"], report["root_cause"]["rank"]) == ("numerical.loss_nan", 4)

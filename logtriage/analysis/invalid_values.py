@@ -20,7 +20,7 @@ CHECK_RULE = "numerical.nonfinite_value"
 SHOWN_LINES = 8          # the refused tensor's lines read below the error
 _NONFINITE = re.compile(r"\b(?:nan|inf)\b", re.IGNORECASE)
 LOSS_RULE = "numerical.loss_nan"
-RAISED_WITHIN = 40       # lines from a printed non-finite loss to the exception the program raised over it
+RAISED_WITHIN = 200      # lines from a printed non-finite loss to the exception the program raised over it
 OWN_CHECK_RULE = "numerical.checked_nonfinite"
 # a file of an installed package (a framework's trainer), not the job's own code
 _INSTALLED_FILE = re.compile(r"[/\\](?:site|dist)-packages[/\\]")
@@ -50,10 +50,12 @@ def own_loss_check(root: RootCause, findings: list[Finding], catalog: Catalog) -
     f = root.finding
     if root.rule.id != LOSS_RULE or f is None:
         return root
+    # the first exception of the root's stream from its line on (a Lightning traceback between a printed loss
+    # and the raise can run to a hundred lines)
     raised = next((g for g in findings if g.stream == f.stream and g.source == f.source
-                   and f.line <= g.line <= f.line + RAISED_WITHIN and short_type(g.exception_type) == "FloatingPointError"),
-                  None)
-    if raised is None or _INSTALLED_FILE.search(raised.last_file):
+                   and f.line <= g.line <= f.line + RAISED_WITHIN and g.exception_type), None)
+    if raised is None or short_type(raised.exception_type) != "FloatingPointError" \
+            or _INSTALLED_FILE.search(raised.last_file):
         return root
     return read_as(root, catalog, OWN_CHECK_RULE, (
         "the program raised a FloatingPointError over it in its own code (not a framework's): its own "
