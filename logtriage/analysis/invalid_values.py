@@ -43,8 +43,8 @@ def finite_invalid_values(scan: ScanResult, root: RootCause, catalog: Catalog) -
 
 def own_loss_check(root: RootCause, findings: list[Finding], catalog: Catalog) -> RootCause:
     """numerical.loss_nan where the program raised a FloatingPointError over it (`raise
-    FloatingPointError(f"loss is nan at step {step}")` on the root's line or just after it in the same
-    stream, its innermost frame in the job's own files) is numerical.checked_nonfinite, the program's own
+    FloatingPointError(f"loss is nan at step {step}")` on the root's line, or as the first exception of the
+    same stream after it, its innermost frame in the job's own files) is numerical.checked_nonfinite, the program's own
     check, whichever value it checked, as the labels of the CPU runs name it. A framework's check (an
     innermost frame in site-packages: detectron2's `_detect_anomaly`) stays the loss's."""
     f = root.finding
