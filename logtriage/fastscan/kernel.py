@@ -21,7 +21,7 @@ from numba import njit
 from logtriage.fastscan.flags import (  # noqa: F401
     COLLECTOR_STAMP, EMPTY, INHERIT, NO_RANK, NOT_PLAIN, SRUN_LABEL, STEP, STEP2)
 from logtriage.fastscan.kernel_lines import (
-    bar_then_text, has_high, has_pid, has_rank, is_step_at, is_stream_tag, leading, redraw)
+    bar_then_text, bare_glued, has_high, has_pid, has_rank, is_step_at, is_stream_tag, leading, redraw)
 from logtriage.fastscan.kernel_markers import bracket_is_plain, marker, user_marker_len
 from logtriage.fastscan.kernel_prefixes import collector_stamp, excepthook, is_digit, srun_label, tee
 
@@ -250,6 +250,8 @@ def classify(buf, rank_hint, labels, starts, messages, ranks, flags, cuts, ranks
                                           or buf[c + 1] == 70) and is_digit(buf[c + 2])
                 if not is_cpp and not bracket_is_plain(buf, c, end):
                     flag = NOT_PLAIN
+        if flag == 0 and buf[c] == 114 and bare_glued(buf, c, end):
+            flag = NOT_PLAIN   # `rank 1 step 0 ... 0.125rank 2: ERROR ...`: two ranks' prints, cut by the exact path
         if flag == 0 and c == i and brackets[n] >= 2 and user_marker_len(buf, c, end) > 0:
             # two ranks' prints glued on one line: `[rank 0] step 1 ...[rank 1] step 1 ...`
             lead = leading(buf, i, end)

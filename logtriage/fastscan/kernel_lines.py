@@ -1,7 +1,8 @@
 """Byte readers of a line's shape for the fast path's kernel (kernel.py): a progress bar and a bar
 with text glued after it (mirroring demux/clean.py), the part of a CR-redrawn line the terminal
 finally shows, a non-ASCII byte, the word `rank`, a `[stdout]`/`[stderr]` tag, a `pid=` field, the
-prefixes split.py strips before a glued rank's output, and a progress line's step word (scan_result.STEP)."""
+prefixes split.py strips before a glued rank's output, a bare `rank N ` glued onto another print (split.py), and a
+progress line's step word (scan_result.STEP)."""
 
 from __future__ import annotations
 
@@ -103,6 +104,31 @@ def redraw(buf, start, end):
             b = k
         k -= 1
     return last_a, last_b
+
+
+@njit(cache=True, nogil=True)
+def _bare_marker_at(buf, k, end):
+    """split.py's `rank \\d{1,6}[ :/]` at k."""
+    if k + 6 >= end + 1 or not (buf[k] == 114 and buf[k + 1] == 97 and buf[k + 2] == 110 and buf[k + 3] == 107
+                                and buf[k + 4] == 32):
+        return False
+    j = k + 5
+    while j < end and j < k + 11 and is_digit(buf[j]):
+        j += 1
+    return j > k + 5 and j < end and (buf[j] == 32 or buf[j] == 58 or buf[j] == 47)
+
+
+@njit(cache=True, nogil=True)
+def bare_glued(buf, c, end):
+    """A line that starts with a script's bare `rank N ` and holds another glued straight onto the end of a print
+    (after a digit, `.`, `)`, `]` or `%`): split.py cuts it there, so the exact path takes the line."""
+    if not _bare_marker_at(buf, c, end):
+        return False
+    for k in range(c + 1, end - 5):
+        p = buf[k - 1]
+        if (is_digit(p) or p == 46 or p == 41 or p == 93 or p == 37) and _bare_marker_at(buf, k, end):
+            return True
+    return False
 
 
 @njit(cache=True, nogil=True)
