@@ -85,3 +85,22 @@ def test_collector_stamp_matches_the_exact_path(text):
     after = kernel_prefixes.collector_stamp(_buf(text), 0, len(text.encode()))
     m = prefix_shapes.COLLECTOR_STAMP.match(text)
     assert after == (m.end() if m else -1), text
+
+
+GLUED_PIECES = ["rank ", "rank", "Rank ", "1", "12", "1234567", "0.125", ")", "]", "%", "x", " ", ":", "/", " step 0",
+                " loss 1.1", ": ERROR drift", "local_", "_"]
+glued_texts = st.lists(st.sampled_from(GLUED_PIECES), min_size=1, max_size=10).map("".join)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(glued_texts)
+@example("rank 1 step 0 loss 1.1142 p_acc 0.125rank 2: ERROR station HRV clock drift")
+@example("rank 1 waits for rank 2 to send its shard")
+@example("rank 1 local_rank 0 device cpu")
+def test_bare_glued_flags_every_line_the_exact_split_cuts_there(text):
+    # the fast path may send more lines to the exact path than split.py cuts, never fewer
+    from logtriage.demux.split import split_glued
+    from logtriage.fastscan.kernel_lines import bare_glued
+    buf = np.frombuffer(text.encode(), dtype=np.uint8)
+    if text.startswith("rank ") and any(piece.startswith("rank ") for piece in split_glued(text)[1:]):
+        assert bare_glued(buf, 0, buf.shape[0])
