@@ -78,6 +78,8 @@ def short_type(name: str | None) -> str | None:
 # `cannot import name 'Queue' from 'queue' (/job/queue.py)` (partially initialized, too): the module and its file
 _IMPORTED_FROM = re.compile(r"cannot import name '[^']+' from (?:partially initialized module )?'([A-Za-z_]\w*)' "
                             r"(?:\(most likely due to a circular import\) )?\(([^()]+)\)")
+# a file of an installed package (a framework's, a library's), not the job's own: its top-level package in group 1
+INSTALLED_PACKAGE = re.compile(r"[/\\](?:site|dist)-packages[/\\]([A-Za-z_]\w*)")
 # where Python's own modules and installed packages live
 _LIBRARY_DIR = re.compile(r"[/\\](?:site|dist)-packages[/\\]|[/\\]lib(?:64)?[/\\]python\d|[/\\]Lib[/\\]|^<")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from logtriage.analysis.exception_names import shadowing_file, short_type
+from logtriage.analysis.exception_names import INSTALLED_PACKAGE, shadowing_file, short_type
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.hangs import fallback_rule
 from logtriage.analysis.rootcause import GENERIC_EXCEPTION_RULE
@@ -29,8 +29,6 @@ FILE_SYSTEM_ERRORS = frozenset({
 GENERIC_RULES = frozenset({"python.exception", "python.file_not_found", "host.filesystem_error"})
 # `module 'torch.library' has no attribute 'wrap_triton'`: the module's top-level package in group 1
 _MODULE_ATTRIBUTE = re.compile(r"module '([A-Za-z_]\w*)[\w.]*' has no attribute '\w+'")
-# a file of an installed package: its top-level package in group 1
-_INSTALLED_PACKAGE = re.compile(r"[/\\](?:site|dist)-packages[/\\]([A-Za-z_]\w*)")
 _TORCH_SERIALIZATION = "torch/serialization.py"
 # a path the error names that is a checkpoint's (`'out/tmp-checkpoint-x' -> 'out/checkpoint-100'`)
 # a path named for checkpoints, or a file in torch's or safetensors' own formats (`step2.pt`)
@@ -265,7 +263,7 @@ def _other_packages_api(f: Finding) -> str:
     """The installed package whose code looked up a module's missing attribute, when that module
     belongs to another package ('' otherwise)."""
     missing = _MODULE_ATTRIBUTE.search(f.text)
-    caller = _INSTALLED_PACKAGE.search(f.last_file)
+    caller = INSTALLED_PACKAGE.search(f.last_file)
     if missing is None or caller is None or caller.group(1) == missing.group(1):
         return ""
     return caller.group(1)

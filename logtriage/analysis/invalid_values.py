@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from logtriage.analysis.exception_names import short_type
+from logtriage.analysis.exception_names import INSTALLED_PACKAGE, short_type
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.roots import RootCause, read_as
 from logtriage.analysis.stopped import message_of
@@ -22,8 +22,6 @@ _NONFINITE = re.compile(r"\b(?:nan|inf)\b", re.IGNORECASE)
 LOSS_RULE = "numerical.loss_nan"
 RAISED_WITHIN = 200      # lines from a printed non-finite loss to the exception the program raised over it
 OWN_CHECK_RULE = "numerical.checked_nonfinite"
-# a file of an installed package (a framework's trainer), not the job's own code
-_INSTALLED_FILE = re.compile(r"[/\\](?:site|dist)-packages[/\\]")
 
 
 def finite_invalid_values(scan: ScanResult, root: RootCause, catalog: Catalog) -> RootCause:
@@ -55,7 +53,7 @@ def own_loss_check(root: RootCause, findings: list[Finding], catalog: Catalog) -
     raised = next((g for g in findings if g.stream == f.stream and g.source == f.source
                    and f.line <= g.line <= f.line + RAISED_WITHIN and g.exception_type), None)
     if raised is None or short_type(raised.exception_type) != "FloatingPointError" \
-            or _INSTALLED_FILE.search(raised.last_file):
+            or INSTALLED_PACKAGE.search(raised.last_file):
         return root
     return read_as(root, catalog, OWN_CHECK_RULE, (
         "the program raised a FloatingPointError over it in its own code (not a framework's): its own "

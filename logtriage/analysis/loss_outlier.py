@@ -50,6 +50,8 @@ def loss_outlier_rank(scan: ScanResult, keys: list[StreamKey], root: RootCause) 
 
 # a value a rank prints by name: `reward inf`, `ret=-1.2`, `grad_norm: nan`
 _NAMED_VALUE = re.compile(r"\b([A-Za-z_][\w.]*)\s*[=:]?\s*" + _VALUE + r"(?![\w.])", re.IGNORECASE)
+# a rank's own count of the non-finite values it found (`384 non-finite input values`, `0 NaN pixels`)
+_NONFINITE_COUNT = re.compile(r"\b(\d+) (?:non-?finite|nan|inf|infinite)\b", re.IGNORECASE)
 _NOT_PROGRESS = re.compile(r"Error\b|Exception\b|Traceback|Warning\b")
 AFTER = 80   # lines after the error read too: a rank's buffered stdout comes after its traceback (`--tee`)
 
@@ -61,6 +63,7 @@ def _nonfinite_named_value(scan: ScanResult, keys: list[StreamKey], root: RootCa
     if len(root.ranks) < MIN_OTHERS:
         return root
     finite: dict[str, dict[int, bool]] = {}      # name -> rank -> all its values finite
+    counted: dict[int, int] = {}                 # rank -> the most non-finite values it counted
     for _, _, rank, piece in pieces_before(scan, keys, f.source, f.line + AFTER):
         if rank is None or _NOT_PROGRESS.search(piece):
             continue
@@ -68,10 +71,12 @@ def _nonfinite_named_value(scan: ScanResult, keys: list[StreamKey], root: RootCa
             ok = math.isfinite(float(value))
             seen = finite.setdefault(name.lower(), {})
             seen[rank] = seen.get(rank, True) and ok
+        for number in _NONFINITE_COUNT.findall(piece):
+            counted[rank] = max(counted.get(rank, 0), int(number))
     lone = {name: next(r for r, ok in by_rank.items() if not ok) for name, by_rank in finite.items()
             if sum(not ok for ok in by_rank.values()) == 1 and sum(by_rank.values()) >= MIN_OTHERS}
     if len(set(lone.values())) != 1:
-        return _lone_nonfinite_count(scan, keys, root)
+        return _lone_nonfinite_count(root, counted)
     rank = next(iter(lone.values()))
     if rank == root.rank:
         return root
@@ -81,21 +86,11 @@ def _nonfinite_named_value(scan: ScanResult, keys: list[StreamKey], root: RootCa
         "printed finite values: the non-finite value started on it, and the all-reduce spread it"))
 
 
-# a rank's own count of the non-finite values it found (`384 non-finite input values`, `0 NaN pixels`)
-_NONFINITE_COUNT = re.compile(r"\b(\d+) (?:non-?finite|nan|inf|infinite)\b", re.IGNORECASE)
-
-
-def _lone_nonfinite_count(scan: ScanResult, keys: list[StreamKey], root: RootCause) -> RootCause:
+def _lone_nonfinite_count(root: RootCause, counted: dict[int, int]) -> RootCause:
     """Several ranks raised the same numerical error; each printed its own count of the non-finite values it
-    found, and exactly one rank counted any (`rank 1: ...; 384 non-finite input values` where every other
-    rank, MIN_OTHERS or more, says `0 non-finite input values`): its data held them, and it started there."""
-    f = root.finding
-    counted: dict[int, int] = {}
-    for _, _, rank, piece in pieces_before(scan, keys, f.source, f.line + AFTER):
-        if rank is None or _NOT_PROGRESS.search(piece):
-            continue
-        for number in _NONFINITE_COUNT.findall(piece):
-            counted[rank] = max(counted.get(rank, 0), int(number))
+    found (`counted`: rank -> its largest count), and exactly one rank counted any (`rank 1: ...; 384 non-finite
+    input values` where every other rank, MIN_OTHERS or more, says `0 non-finite input values`): its data held
+    them, and it started there."""
     found = [r for r, n in counted.items() if n > 0]
     if len(found) != 1 or len(counted) - 1 < MIN_OTHERS or found[0] == root.rank:
         return root
