@@ -34,7 +34,7 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
         before = _errors_before_stop(roots, live)
         if before:
             return _group_root(before, live, facts, 0.6, onset)
-        timed_out = _errors_before_stop(roots, live, timeouts=True)
+        timed_out = _timeouts_before_stop(roots, live)
         if timed_out:
             return missing_rank_root(timed_out, live, facts, findings)
         return _group_root(roots, live, facts, 0.9, onset)
@@ -93,22 +93,27 @@ def _notice_of_own_exit(finding: Finding, either: list[Finding]) -> bool:
             and any(f.rule.id == EXIT_RULE and f.rank is not None and finding.rank in (None, f.rank) for f in either))
 
 
-def _errors_before_stop(roots: list[Finding], live: list[Finding], timeouts: bool = False) -> list[Finding]:
+def _errors_before_stop(roots: list[Finding], live: list[Finding]) -> list[Finding]:
     """A job the scheduler stopped (a time limit, a cancel) after an error (an InfiniBand
     completion error, then nothing until the time limit) was stuck on that error: the error is
-    the root. Only ambiguous errors need this; root candidates before the stop already win.
-    With `timeouts`, the collective timeouts before the stop instead (ranks that gave up waiting
-    for one that never came, then a `timeout` or a person stopped what was left): they point at
-    the missing rank, as without the stop."""
+    the root. Only ambiguous errors need this; root candidates before the stop already win."""
     if not all(f.category is Category.EXTERNAL_STOP for f in roots):
         return []
     stop = earliest(roots)
-    if timeouts:
-        return [f for f in live if f.category is Category.COLLECTIVE_TIMEOUT and f.role is not Role.CAUSE_CONFIRMATION
-                and earliest([f, stop]) is f and f.seq < stop.seq]
     explained = _explained_in(live)
     return [f for f in live if f.role is Role.EITHER and f.category not in _STOP_ECHOES
             and f.attributed_by != "launcher" and not explained(f)
+            and earliest([f, stop]) is f and f.seq < stop.seq]
+
+
+def _timeouts_before_stop(roots: list[Finding], live: list[Finding]) -> list[Finding]:
+    """The collective timeouts before a stop from outside (ranks that gave up waiting for one that never
+    came, then a `timeout` or a person stopped what was left): they point at the missing rank, as without
+    the stop."""
+    if not all(f.category is Category.EXTERNAL_STOP for f in roots):
+        return []
+    stop = earliest(roots)
+    return [f for f in live if f.category is Category.COLLECTIVE_TIMEOUT and f.role is not Role.CAUSE_CONFIRMATION
             and earliest([f, stop]) is f and f.seq < stop.seq]
 
 
