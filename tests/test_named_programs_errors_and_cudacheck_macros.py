@@ -3,8 +3,9 @@ CUDACHECK/NCCLCHECK macros of NCCL's examples (stop 55's batches and public roun
 
 - `ERROR kiln-ctl rank 5: zone 5 thermocouple (type S) reads open circuit, refusing to fire`, then `sys.exit(4)`
   (cpu_adhoc 480th batch): the script's own logged error, on rank 5, not a bare exit code;
-- `No such file or directory: '/tmp/job_work/tiles/srtm_dunes_rank1_reproj_utm.pt'` (481st): a file in a folder of
-  tiles is data, although its name holds `rank`;
+- `No such file or directory: '/tmp/job_work/tiles/srtm_dunes_rank1_reproj_utm.pt'` (481st) and
+  `'/tmp/job_work/windows/hub_hours_rank1_peak_season.pt'` (485th): a file in a folder of tiles, or of a series cut into
+  windows, is data, although its name holds `rank`;
 - `Failed: Cuda error <file>:<line> '<error>'` and `Failed, NCCL error <file>:<line> '<error>'`, as vLLM's and
   sglang's custom all-reduce and nccl-tests print them (sgl-project/sglang#552)."""
 
@@ -38,8 +39,9 @@ def test_the_same_line_at_info_level_leaves_the_bare_exit_code(tmp_path):
 @pytest.mark.parametrize("slug, rank, line", [
     ("dune_missing_shard_np3_r1_srunlabel", 1, 20),
     ("dune_missing_shard_np5_r3_legacy", 3, 37),
+    ("parc_missing_shard_np5_r3_legacy", 3, 33),
 ])
-def test_a_missing_tile_is_a_data_file(slug, rank, line):
+def test_a_missing_tile_or_window_is_a_data_file(slug, rank, line):
     assert root_facts(slug)[:5] == ("data.file_not_found", "python_exception", rank, line, "FileNotFoundError")
 
 

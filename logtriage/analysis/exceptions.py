@@ -45,11 +45,12 @@ _COPY_COMMAND = re.compile(r"Command '\[?'?(?:\S*/)?(?:tar|cp|rsync|mv|zip|gzip|
 # a model's outputs kept for another pass, read back (_DATA_FILE) or written (_OUTPUT_WRITTEN)
 _MODEL_OUTPUTS = r"logits|features|embeddings"
 # a folder named for the data it holds (`clips/shard_0_16k.pt`, `series_local/series_r1.npy`: cpu_adhoc 195th and
-# 197th batches; `keypoints_v2/h36m_2d.pt`: 285th; `tiles/srtm_dunes_rank1_reproj_utm.pt`, remote-sensing tiles: 481st);
+# 197th batches; `keypoints_v2/h36m_2d.pt`: 285th; `tiles/srtm_dunes_rank1_reproj_utm.pt`, remote-sensing tiles: 481st;
+# `windows/hub_hours_rank1_peak_season.pt`, a series cut into windows: 485th);
 # a piece such as `styles/style01.pt` is _INDEXED_PIECE's
 _DATA_FOLDERS = (r"/(?:clips|series|audio|wavs?|signals?|frames|videos?|corpus|captions|labels|masks|annotations|"
                  r"images|imgs|ratings|interactions|keypoints|poses|skeletons|sequences|motions?|trajector(?:y|ies)|"
-                 r"graphs|molecules|documents|spectrograms|tiles|patches|chips|rasters|scenes)(?:[_-]\w+)?/")
+                 r"graphs|molecules|documents|spectrograms|tiles|patches|chips|rasters|scenes|windows)(?:[_-]\w+)?/")
 # one indexed piece of a data set saved with torch.save (`flows_v2/flow_1.pt`, `scans_v2/shard_003.pt`: cpu_adhoc
 # 210th-224th batches; `sessions/clicks_part2.pt`, words joined before the number: 243rd), its name no word of a
 # checkpoint's (`rank3.pt`, `step_12.pt`, `ema_step0150.pt` are one) and its number no version (`pretrained_v2.pt`)
