@@ -2,7 +2,8 @@
 CUDACHECK/NCCLCHECK macros of NCCL's examples (stop 55's batches and public round 131):
 
 - `ERROR kiln-ctl rank 5: zone 5 thermocouple (type S) reads open circuit, refusing to fire`, then `sys.exit(4)`
-  (cpu_adhoc 480th batch): the script's own logged error, on rank 5, not a bare exit code;
+  (cpu_adhoc 480th batch), and `2026-12-06 18:40:06,874 [rank 3/4] ERROR subway: ...` (489th): the script's own
+  logged error, on its rank, not a bare exit code or the peers' timeouts;
 - `No such file or directory: '/tmp/job_work/tiles/srtm_dunes_rank1_reproj_utm.pt'` (481st) and
   `'/tmp/job_work/windows/hub_hours_rank1_peak_season.pt'` (485th): a file in a folder of tiles, or of a series cut into
   windows, is data, although its name holds `rank`;
@@ -25,6 +26,9 @@ SGLANG = PUBLIC131 / "sglang552_tp2_t4_custom_allreduce_peer_access_unsupported.
 @pytest.mark.parametrize("slug, rank, line", [
     ("kiln_exit4_np7_r5_wrapper", 5, 22),    # a job-script wrapper; torchrun's summary says exitcode 4
     ("kiln_exit4_np3_r2_restart", 2, 14),    # --max-restarts 1: the first attempt's line
+    # a logging format with the rank and the world size (`2026-12-06 18:40:06,874 [rank 3/4] ERROR subway: ...`),
+    # before the others' `training failed on rank N` records of their lost connections
+    ("subw_exit4_np4_r3_logfmt", 3, 9),
 ])
 def test_a_programs_named_error_line_is_its_logged_error(slug, rank, line):
     assert root_facts(slug)[:4] == ("python.logged_error", "python_exception", rank, line)
