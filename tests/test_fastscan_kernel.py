@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 from logtriage.demux import prefix_shapes
 from logtriage.demux.line_marks import find_rank_marker
+from logtriage.demux.split import split_glued
 from logtriage.fastscan import kernel_markers, kernel_prefixes
+from logtriage.fastscan.kernel_lines import bare_glued
 
 PIECES = ["rank", "Rank", "RANK", "global_", "global ", "Global", "[", "]", ":", "=", "#", "|", ",",
           "(", ")", ">", "/", " ", "  ", "0", "7", "12", "123456789", "1234567890", "123456789012", "1234567890123", "x", "step 3", "]:", "default",
@@ -99,8 +101,6 @@ glued_texts = st.lists(st.sampled_from(GLUED_PIECES), min_size=1, max_size=10).m
 @example("rank 1 local_rank 0 device cpu")
 def test_bare_glued_flags_every_line_the_exact_split_cuts_there(text):
     # the fast path may send more lines to the exact path than split.py cuts, never fewer
-    from logtriage.demux.split import split_glued
-    from logtriage.fastscan.kernel_lines import bare_glued
     buf = np.frombuffer(text.encode(), dtype=np.uint8)
     if text.startswith("rank ") and any(piece.startswith("rank ") for piece in split_glued(text)[1:]):
         assert bare_glued(buf, 0, buf.shape[0])

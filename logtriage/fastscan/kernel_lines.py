@@ -9,7 +9,7 @@ from __future__ import annotations
 from numba import njit
 
 from logtriage.fastscan.kernel_markers import is_rank_at
-from logtriage.fastscan.kernel_prefixes import is_digit
+from logtriage.fastscan.kernel_prefixes import is_digit, number
 
 
 @njit(cache=True, nogil=True)
@@ -109,13 +109,11 @@ def redraw(buf, start, end):
 @njit(cache=True, nogil=True)
 def _bare_marker_at(buf, k, end):
     """split.py's `rank \\d{1,6}[ :/]` at k."""
-    if k + 6 >= end + 1 or not (buf[k] == 114 and buf[k + 1] == 97 and buf[k + 2] == 110 and buf[k + 3] == 107
-                                and buf[k + 4] == 32):
+    if k + 5 >= end or not (buf[k] == 114 and buf[k + 1] == 97 and buf[k + 2] == 110 and buf[k + 3] == 107
+                            and buf[k + 4] == 32):
         return False
-    j = k + 5
-    while j < end and j < k + 11 and is_digit(buf[j]):
-        j += 1
-    return j > k + 5 and j < end and (buf[j] == 32 or buf[j] == 58 or buf[j] == 47)
+    _, digits, j = number(buf, k + 5, end, 6)
+    return 0 < digits <= 6 and j < end and (buf[j] == 32 or buf[j] == 58 or buf[j] == 47)
 
 
 @njit(cache=True, nogil=True)
