@@ -26,7 +26,9 @@ NOT_OWN_WORDS = ("and", "or", "to", "vs", "versus", "than", "with", "failed", "t
 OWN_RANK = re.compile(r"\[?\b(?:rank|RANK|Rank)[ =:_]*(\d{1,6})\b")
 # ASCII classes (`\b`, `\s`) as the fast-scan kernel reads bytes: `rank:0é` names rank 0 in both
 _RANK_MARKERS = (
-    re.compile(r"\[\s*(?:global[_ ])?rank\s*[:=#]?\s*(\d{1,9})\s*(?:/\s*\d+\s*)?\]", re.IGNORECASE | re.ASCII),
+    # (`[rank 3]`, `[global_rank 3]`, `[rank: 3/8]`, and a logging format's `[<program> rank 3]`)
+    re.compile(r"\[\s*(?:global[_ ]|[a-z][\w.-]{0,31} +)?rank\s*[:=#]?\s*(\d{1,9})\s*(?:/\s*\d+\s*)?\]",
+               re.IGNORECASE | re.ASCII),
     # (not a count per rank: `too few identities per rank: 1 < P=4`)
     re.compile(r"(?:^|(?<!\bper)[\s,(|])(?:global_)?rank\s*[=:]\s*(\d{1,9})\b", re.IGNORECASE | re.ASCII),
     # and a script's own progress print or record that starts with its rank (`rank 3 step 12 loss 0.41`,

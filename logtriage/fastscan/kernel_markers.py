@@ -248,7 +248,7 @@ def _bracket_marker_at(buf, c, p, head_end):
     if q - 1 < c or buf[q - 1] != 91:
         # "global " may have been ordinary spaces: try without the optional word
         q = spaces_before(buf, p, c)
-        if q - 1 < c or buf[q - 1] != 91:
+        if (q - 1 < c or buf[q - 1] != 91) and not _word_in_bracket(buf, c, q, p):
             return -1
     k = skip_spaces(buf, p + 4, head_end)
     if k < head_end and (buf[k] == 58 or buf[k] == 61 or buf[k] == 35):
@@ -265,6 +265,21 @@ def _bracket_marker_at(buf, c, p, head_end):
     if k < head_end and buf[k] == 93:
         return value
     return -1
+
+
+@njit(cache=True, nogil=True)
+def _word_in_bracket(buf, c, q, p):
+    """Whether one word `[a-z][\\w.-]{0,31}` and the spaces q..p stand between a `[` and "rank" at p
+    (a logging format's `[evch rank 3]`)."""
+    if q == p:
+        return False
+    w = q
+    while w - 1 >= c and (_is_word(buf[w - 1]) or buf[w - 1] == 46 or buf[w - 1] == 45):
+        w -= 1
+    if w == q or q - w > 32 or not (97 <= (buf[w] | 32) <= 122):
+        return False
+    s = spaces_before(buf, w, c)
+    return s - 1 >= c and buf[s - 1] == 91
 
 
 @njit(cache=True, nogil=True)

@@ -1,0 +1,68 @@
+"""A logging format whose bracket holds the program's name before the rank, and an error line that names its
+rank later in the message (stop 55's and stop 56's batches):
+
+- `2026-12-06 19:43:54,065 [evch rank 3] ERROR training failed` (cpu_adhoc 493rd batch): `[<word> rank N]` is the
+  line's rank, as `[rank N]` and `[global rank N]` are, so the slow rank that made its peers time out is named;
+- `ERROR: tile grid misaligned: orthomosaic tile (41, 17) of rank 1 is offset 3.2 m from the GCP grid` (497th) and
+  `ERROR: holiday calendar ... not found on rank 2; ...` (489th), each the last line of a rank's own file before
+  `sys.exit(4)`: the script's logged error, not a bare exit code."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from logtriage.api import triage
+from logtriage.demux.line_marks import find_rank_marker
+from logtriage.fastscan.kernel_markers import marker
+from sample_roots import SAMPLES, edited_report, root_facts
+
+
+@pytest.mark.parametrize("text, rank", [
+    ("2026-12-06 19:43:54,065 [evch rank 3] ERROR training failed", 3),
+    ("[trainer.v2-a rank 5/8] step 1", 5),
+    ("[global rank 2] step 1", 2),
+    ("[rank 4] step 1", 4),
+    ("[a b rank 9] two words are not a program's name", None),
+    ("[1abc rank 3] a name starts with a letter", None),
+    ("[" + "w" * 33 + " rank 7] at most 32 characters", None),
+])
+def test_a_program_name_in_the_bracket_before_the_rank(text, rank):
+    buf = np.frombuffer(text.encode(), dtype=np.uint8)
+    assert find_rank_marker(text) == rank
+    # the fast path's kernel reads the same rank, or none
+    assert marker(buf, 0, len(buf), np.zeros(8, dtype=np.int64)) == (-1 if rank is None else rank)
+
+
+@pytest.mark.parametrize("slug, rule, category, rank, line", [
+    # rank 2 slept in pure Python; its peers' gloo receives timed out first, their records named by the bracket
+    ("evch_slow_rank_np4_r2_logfmt", "gloo.timeout", "collective_timeout", 2, 26),
+    ("evch_worker_crash_np5_r3_logfmt", "data.loader_worker_died", "crash_signal", 3, 16),
+])
+def test_the_bracket_names_the_failing_rank(slug, rule, category, rank, line):
+    assert root_facts(slug)[:4] == (rule, category, rank, line)
+
+
+def test_without_the_program_name_the_bracket_still_names_it(tmp_path):
+    report = edited_report("evch_slow_rank_np4_r2_logfmt", "[evch rank ", "[rank ", tmp_path)
+    assert (report["root_cause"]["rule_id"], report["root_cause"]["rank"]) == ("gloo.timeout", 2)
+
+
+@pytest.mark.parametrize("folder, rank", [
+    ("lich_logged_exit_np5_r1_files", 1),
+    ("subw_exit4_np6_r2_files", 2),
+])
+def test_an_error_line_naming_its_rank_is_the_logged_error(folder, rank):
+    rc = triage([str(SAMPLES / folder)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == ("python.logged_error", "python_exception",
+                                                                       rank, 3)
+    assert rc["source"].endswith(f"rank{rank}.log")
+
+
+def test_an_error_line_naming_no_rank_leaves_the_exit_code(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for log in (SAMPLES / "lich_logged_exit_np5_r1_files").glob("rank*.log"):
+        (folder / log.name).write_text(log.read_text().replace(" of rank 1 is offset", " is offset"))
+    rc = triage([str(folder)]).to_dict()["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["rank"]) == ("signal.exit_nonzero", "unknown", 1)
