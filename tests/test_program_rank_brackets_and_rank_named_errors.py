@@ -5,7 +5,12 @@ rank later in the message (stop 55's and stop 56's batches):
   line's rank, as `[rank N]` and `[global rank N]` are, so the slow rank that made its peers time out is named;
 - `ERROR: tile grid misaligned: orthomosaic tile (41, 17) of rank 1 is offset 3.2 m from the GCP grid` (497th) and
   `ERROR: holiday calendar ... not found on rank 2; ...` (489th), each the last line of a rank's own file before
-  `sys.exit(4)`: the script's logged error, not a bare exit code."""
+  `sys.exit(4)`: the script's logged error, not a bare exit code;
+- `ERROR mead_monitor: rank 4 hydrometer calibration drift ...` (500th), the rank with no colon after it, before a
+  restarted attempt's own failure to connect: the logged error, with no exception type borrowed from that
+  attempt's traceback;
+- `rank 0 wrote export /tmp/job_work/vole_forecaster_export.pt` as a clean run's last line (501st): the run
+  ended on its result, it did not hang."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import pytest
 from logtriage.api import triage
 from logtriage.demux.line_marks import find_rank_marker
 from logtriage.fastscan.kernel_markers import marker
-from sample_roots import SAMPLES, edited_report, root_facts
+from sample_roots import SAMPLES, edited_report, root_cause, root_facts, sample_report
 
 
 @pytest.mark.parametrize("text, rank", [
@@ -66,3 +71,26 @@ def test_an_error_line_naming_no_rank_leaves_the_exit_code(tmp_path):
         (folder / log.name).write_text(log.read_text().replace(" of rank 1 is offset", " is offset"))
     rc = triage([str(folder)]).to_dict()["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("signal.exit_nonzero", "unknown", 1)
+
+
+def test_a_logged_error_before_a_restart_keeps_no_borrowed_exception_type():
+    assert root_facts("mead_logged_exit_np5_r4_restart") == ("python.logged_error", "python_exception", 4, 7, None)
+
+
+def test_a_logged_error_with_its_traceback_right_after_is_that_exception(tmp_path):
+    # logger.exception's traceback follows on the next line: the exception it shows is the root
+    report = edited_report("mead_logged_exit_np5_r4_restart", "on uncalibrated readings\n",
+                           "on uncalibrated readings\nTraceback (most recent call last):\n"
+                           "  File \"/tmp/job/fault500.py\", line 140, in main\n"
+                           "ValueError: calibration drift 0.0071\n", tmp_path)
+    assert (report["root_cause"]["rule_id"], report["root_cause"]["exception_type"],
+            report["root_cause"]["rank"]) == ("python.exception", "ValueError", 4)
+
+
+def test_a_clean_run_ending_on_the_export_it_wrote_is_ok():
+    assert sample_report("vole_none_np4_rnone_bashloop")["verdict"] == "ok"
+
+
+def test_without_its_export_line_the_same_output_has_stopped(tmp_path):
+    report = edited_report("vole_none_np4_rnone_bashloop", "rank 0 wrote export", "rank 0 reading export", tmp_path)
+    assert (report["verdict"], report["root_cause"]["rule_id"]) == ("hung", "hang.output_stopped")

@@ -49,6 +49,11 @@ def build_report(scan: ScanResult, diag: Diagnosis, redact: Callable[[str], str]
 
 
 NEARBY_LINES = 200
+# a script's logged error (`ERROR ...: rank 4 ...` then `sys.exit(4)`) has a traceback only when logger.exception
+# wrote one, on the lines right after it; a traceback further on is another error's (a restarted attempt's failure
+# to connect, cpu_adhoc 500th batch's mead_logged_exit_np5_r4_restart)
+LOGGED_ERROR_RULE = "python.logged_error"
+LOGGED_TRACEBACK_LINES = 3
 # the C++ runtime's words for an exception nothing caught (`terminate called after throwing an instance of
 # 'gloo::EnforceNotMet'`), and its message on the next line (`  what():  [enforce fail at ...`)
 _THROWN = re.compile(r"terminate called after throwing an instance of '([\w:<>, ]+)'")
@@ -102,8 +107,9 @@ def _exception_type(scan: ScanResult, diag: Diagnosis, finding: Finding) -> str 
         # a launcher line about a worker: the launcher's own traceback is not its cause (unless it
         # is the same error, above: torchrun's `Received 15 death signal` and its SignalException)
         return None
+    nearby = LOGGED_TRACEBACK_LINES if finding.rule.id == LOGGED_ERROR_RULE else NEARBY_LINES
     for block_id, (source, first, _) in sorted(scan.blocks.items(), key=lambda kv: kv[1][1]):
-        if source != finding.source or not finding.line <= first <= finding.line + NEARBY_LINES:
+        if source != finding.source or not finding.line <= first <= finding.line + nearby:
             continue
         exception = scan.block_exceptions.get(block_id)
         slot = scan.block_slots.get(block_id)
