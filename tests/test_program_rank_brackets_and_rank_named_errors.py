@@ -1,5 +1,6 @@
 """A logging format whose bracket holds the program's name before the rank, and an error line that names its
-rank later in the message (stop 55's and stop 56's batches):
+rank later in the message (stop 55's and stop 56's batches), and a clean run's
+last line that says it wrote its export:
 
 - `2026-12-06 19:43:54,065 [evch rank 3] ERROR training failed` (cpu_adhoc 493rd batch): `[<word> rank N]` is the
   line's rank, as `[rank N]` and `[global rank N]` are, so the slow rank that made its peers time out is named;
@@ -9,8 +10,10 @@ rank later in the message (stop 55's and stop 56's batches):
 - `ERROR mead_monitor: rank 4 hydrometer calibration drift ...` (500th), the rank with no colon after it, before a
   restarted attempt's own failure to connect: the logged error, with no exception type borrowed from that
   attempt's traceback;
-- `rank 0 wrote export /tmp/job_work/vole_forecaster_export.pt` as a clean run's last line (501st): the run
-  ended on its result, it did not hang."""
+- `ERROR refractometer calibration drift on rank 2: ...` (507th): the level bare, the rank inside the message;
+- `rank 0 wrote export /tmp/job_work/vole_forecaster_export.pt` (501st) or `export written to ...` (507th) as a
+  clean run's last line: the run ended on its result, it did not hang;
+- a hang where one rank's last progress line is one step short of all the others' (507th): that rank is behind."""
 
 from __future__ import annotations
 
@@ -73,6 +76,11 @@ def test_an_error_line_naming_no_rank_leaves_the_exit_code(tmp_path):
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("signal.exit_nonzero", "unknown", 1)
 
 
+def test_a_bare_level_then_a_message_naming_its_rank_is_the_logged_error():
+    # `worker-0: ERROR refractometer calibration drift on rank 2: offset ...` of two agents as pdsh nodes (507th)
+    assert root_facts("cider_logged_exit_np6_r2_pdsh2")[:4] == ("python.logged_error", "python_exception", 2, 26)
+
+
 def test_a_logged_error_before_a_restart_keeps_no_borrowed_exception_type():
     assert root_facts("mead_logged_exit_np5_r4_restart") == ("python.logged_error", "python_exception", 4, 7, None)
 
@@ -87,10 +95,25 @@ def test_a_logged_error_with_its_traceback_right_after_is_that_exception(tmp_pat
             report["root_cause"]["rank"]) == ("python.exception", "ValueError", 4)
 
 
-def test_a_clean_run_ending_on_the_export_it_wrote_is_ok():
-    assert sample_report("vole_none_np4_rnone_bashloop")["verdict"] == "ok"
+@pytest.mark.parametrize("slug", ["vole_none_np4_rnone_bashloop",      # `rank 0 wrote export <path>`
+                                  "cider_none_np3_rnone_bashloop"])    # `export written to <path>` (507th)
+def test_a_clean_run_ending_on_the_export_it_wrote_is_ok(slug):
+    assert sample_report(slug)["verdict"] == "ok"
 
 
 def test_without_its_export_line_the_same_output_has_stopped(tmp_path):
     report = edited_report("vole_none_np4_rnone_bashloop", "rank 0 wrote export", "rank 0 reading export", tmp_path)
     assert (report["verdict"], report["root_cause"]["rule_id"]) == ("hung", "hang.output_stopped")
+
+
+def test_a_lone_rank_one_step_short_of_all_the_others_is_behind():
+    report = sample_report("cider_allreduce_size_np5_r2_spawn")
+    assert (report["verdict"], report["root_cause"]["rule_id"], report["root_cause"]["rank"]) == \
+        ("hung", "hang.no_progress", 2)
+
+
+def test_two_ranks_one_step_short_are_ordinary_skew(tmp_path):
+    report = edited_report("cider_allreduce_size_np5_r2_spawn", "rank 4 step 3 loss 1.6515", "rank 4 step 2 loss 1.6515",
+                           tmp_path)
+    assert (report["verdict"], report["root_cause"]["rule_id"], report["root_cause"]["rank"]) == \
+        ("hung", "hang.output_stopped", None)

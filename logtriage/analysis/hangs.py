@@ -44,7 +44,9 @@ def waiting(findings: list[Finding], facts: RankFacts) -> RootCause | None:
     return RootCause(first.rule, first, rank, tuple(missing), 0.45, tuple(reasons))
 
 
-BEHIND_STEPS = 2      # a rank this many steps short of the furthest one is behind (one step is ordinary skew)
+BEHIND_STEPS = 2      # a rank this many steps short of the furthest one is behind (one step is ordinary skew),
+# or a lone rank one step short of all the others, three or more (`rank 2 step 2` its last line while ranks 0, 1, 3
+# and 4 printed step 3: its peers went on to the next collective and wait there; cpu_adhoc 507th batch)
 
 
 def hang_from_progress(facts: RankFacts, catalog: Catalog) -> RootCause | None:
@@ -53,9 +55,9 @@ def hang_from_progress(facts: RankFacts, catalog: Catalog) -> RootCause | None:
     if len(steps) < 2:
         return None
     low, high = min(steps.values()), max(steps.values())
-    if high - low < BEHIND_STEPS:
-        return None
     behind = tuple(sorted(r for r, s in steps.items() if s == low))
+    if high - low < BEHIND_STEPS and not (high - low == 1 and len(behind) == 1 and len(steps) >= 3):
+        return None
     rule = catalog.get("hang.no_progress") or fallback_rule("hang.no_progress", Category.HANG,
                                                             "Output stopped: no error, ranks' progress diverged")
     return RootCause(rule, None, behind[0] if len(behind) == 1 else None, behind, 0.45, (

@@ -92,11 +92,12 @@ def _rank_of(scan: ScanResult, keys: list[StreamKey], source: int, number: int, 
 
 
 # a program's own word that it saved its result to a file or a folder (`saved denoiser to /tmp/job/dae_final.pt`,
-# `rank 0 wrote export /tmp/job_work/vole_forecaster_export.pt`: cpu_adhoc 501st batch,
+# `rank 0 wrote export /tmp/job_work/vole_forecaster_export.pt`, `export written to /tmp/job_work/grader_export.pt`:
+# cpu_adhoc 501st and 507th batches,
 # `rank 0: saved ckpt/gru.pt`, `exported top-10 to out/topk.pt`, `rank 0 saved export/ after 6 steps`); not a
 # framework's record that names its own source (`[engine.py:1818:_save_zero_checkpoint] zero checkpoint saved ...`,
 # a save at each interval of a run that goes on), nor a save at a step or epoch (`saved ckpt_step200.pt`)
-_SAVED = re.compile(r"\b(?:saved|exported|wrote)\b(?!.*(?<![a-z0-9])(?:step|epoch|iter(?:ation)?)s?[\s_=:-]*\d).*?"
+_SAVED = re.compile(r"\b(?:saved|exported|wrote|written)\b(?!.*(?<![a-z0-9])(?:step|epoch|iter(?:ation)?)s?[\s_=:-]*\d).*?"
                     r"(?:[\w.-]*/[\w./-]*\w|\b[\w.-]*\w/(?=\s|$)|"
                     r"\b[\w-]+\.(?:pt|pth|bin|ckpt|safetensors|npy|npz|pkl|onnx|h5|json|csv))",
                     re.IGNORECASE)
