@@ -96,7 +96,8 @@ def test_a_logged_error_with_its_traceback_right_after_is_that_exception(tmp_pat
 
 
 @pytest.mark.parametrize("slug", ["vole_none_np4_rnone_bashloop",      # `rank 0 wrote export <path>`
-                                  "cider_none_np3_rnone_bashloop"])    # `export written to <path>` (507th)
+                                  "cider_none_np3_rnone_bashloop",     # `export written to <path>` (507th)
+                                  "krill_none_np4_rnone_plain"])       # `rank 0 saved export` (508th)
 def test_a_clean_run_ending_on_the_export_it_wrote_is_ok(slug):
     assert sample_report(slug)["verdict"] == "ok"
 

@@ -12,6 +12,7 @@ from logtriage.analysis.diverged import different_collectives_at_one_seq
 from logtriage.analysis.early_stop import stopped_early_peer
 from logtriage.analysis.environment import Environment, collect_environment
 from logtriage.analysis.exceptions import checkpoint_io, frame_reading, probe_json_without_banner
+from logtriage.analysis.loader_ipc import loader_worker_reset
 from logtriage.analysis.ext_build import own_source_compile_error
 from logtriage.analysis.gave_up import gave_up_before_exit
 from logtriage.analysis.fallback_roots import (cut_traceback, exit_one_output_elsewhere, exit_only_root,
@@ -141,6 +142,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = bootstrap_layout_mismatch(root, catalog)
     if root is not None:
         root = abort_after_dump_signal(checkpoint_io(frame_reading(root, catalog), catalog), findings)
+        root = loader_worker_reset(scan, root, catalog)
         root = dcp_named_ranks(root, findings, scan.block_exceptions)
         root = probe_json_without_banner(root, bool(scan.banner_lines), catalog)
         root = size_abort_sender(different_collectives_at_one_seq(root, findings, catalog), scan, keys, findings,

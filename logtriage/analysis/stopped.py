@@ -101,6 +101,8 @@ _SAVED = re.compile(r"\b(?:saved|exported|wrote|written)\b(?!.*(?<![a-z0-9])(?:s
                     r"(?:[\w.-]*/[\w./-]*\w|\b[\w.-]*\w/(?=\s|$)|"
                     r"\b[\w-]+\.(?:pt|pth|bin|ckpt|safetensors|npy|npz|pkl|onnx|h5|json|csv))",
                     re.IGNORECASE)
+# or that it saved its export, with no path (`rank 0 saved export`, the last line of a clean run: cpu_adhoc 508th batch)
+_SAVED_EXPORT = re.compile(r"\bsaved (?:the |its |an? )?(?:final )?export\s*$", re.IGNORECASE)
 _SOURCE_TAG = re.compile(r"\b\w+\.py:\d+\b")
 
 
@@ -113,7 +115,7 @@ def _ended_on_its_result(scan: ScanResult, keys: list[StreamKey], tail: list[Tai
     before = -1     # the highest step printed so far
     for at, (source, number, text) in enumerate(tail):
         message = message_of(text)
-        ended = (_SAVED.search(message) or SIGNED_OFF.search(message)) and not _SOURCE_TAG.search(text)
+        ended = (_SAVED.search(message) or _SAVED_EXPORT.search(message) or SIGNED_OFF.search(message)) and not _SOURCE_TAG.search(text)
         if ended and before >= 0:
             rank = _rank_of(scan, keys, source, number, message)
             after = [(s, n, message_of(t)) for s, n, t in tail[at + 1:] if s == source]
