@@ -16,8 +16,9 @@ HERE = Path(fastscan.__file__).resolve().parent
 def _tree(tmp_path: Path) -> Path:
     folder = tmp_path / "fastscan"
     (folder / "__pycache__").mkdir(parents=True)
-    for name in SOURCES:
-        shutil.copy(HERE / name, folder / name)
+    for pattern in SOURCES:
+        for path in HERE.glob(pattern):
+            shutil.copy(path, folder / path.name)
     for name in ("kernel.classify-157.py311.nbi", "kernel.classify-157.py311.1.nbc",
                  "kernel_markers.marker-44.py311.nbi", "driver.cpython-311.pyc"):
         (folder / "__pycache__" / name).write_bytes(b"x")
@@ -34,6 +35,8 @@ def test_an_edited_reader_drops_the_whole_kernels_cache(tmp_path):
     (folder / "__pycache__" / "kernel.classify-157.py311.nbi").write_bytes(b"x")   # numba compiles and stores
     assert not drop_stale_cache(folder)                                          # nothing changed: kept
     assert (folder / "__pycache__" / "kernel.classify-157.py311.nbi").exists()
+    (folder / "kernel_cache.py").write_text("# the guard itself is no kernel source\n")
+    assert not drop_stale_cache(folder)
 
     markers = folder / "kernel_markers.py"
     markers.write_text(markers.read_text() + "\n# an edited reader\n")

@@ -114,7 +114,7 @@ def test_a_lone_rank_one_step_short_of_all_the_others_is_behind():
 
 
 def test_two_ranks_one_step_short_are_ordinary_skew(tmp_path):
-    report = edited_report("cider_allreduce_size_np5_r2_spawn", "rank 4 step 3 loss 1.6515", "rank 4 step 2 loss 1.6515",
-                           tmp_path)
+    report = edited_report("cider_allreduce_size_np5_r2_spawn", "rank 4 step 3 loss 1.6515",
+                           "rank 4 step 2 loss 1.6515", tmp_path)
     assert (report["verdict"], report["root_cause"]["rule_id"], report["root_cause"]["rank"]) == \
         ("hung", "hang.output_stopped", None)

@@ -92,12 +92,13 @@ def _rank_of(scan: ScanResult, keys: list[StreamKey], source: int, number: int, 
 
 
 # a program's own word that it saved its result to a file or a folder (`saved denoiser to /tmp/job/dae_final.pt`,
-# `rank 0 wrote export /tmp/job_work/vole_forecaster_export.pt`, `export written to /tmp/job_work/grader_export.pt`:
-# cpu_adhoc 501st and 507th batches,
-# `rank 0: saved ckpt/gru.pt`, `exported top-10 to out/topk.pt`, `rank 0 saved export/ after 6 steps`); not a
-# framework's record that names its own source (`[engine.py:1818:_save_zero_checkpoint] zero checkpoint saved ...`,
-# a save at each interval of a run that goes on), nor a save at a step or epoch (`saved ckpt_step200.pt`)
-_SAVED = re.compile(r"\b(?:saved|exported|wrote|written)\b(?!.*(?<![a-z0-9])(?:step|epoch|iter(?:ation)?)s?[\s_=:-]*\d).*?"
+# `rank 0: saved ckpt/gru.pt`, `exported top-10 to out/topk.pt`, `rank 0 saved export/ after 6 steps`, `rank 0 wrote
+# export /tmp/job_work/vole_forecaster_export.pt`, `export written to /tmp/job_work/grader_export.pt`: cpu_adhoc 501st
+# and 507th batches); not a framework's record that names its own source (`[engine.py:1818:_save_zero_checkpoint]
+# zero checkpoint saved ...`, a save at each interval of a run that goes on), nor a save at a step or epoch
+# (`saved ckpt_step200.pt`)
+_SAVED = re.compile(r"\b(?:saved|exported|wrote|written)\b"
+                    r"(?!.*(?<![a-z0-9])(?:step|epoch|iter(?:ation)?)s?[\s_=:-]*\d).*?"
                     r"(?:[\w.-]*/[\w./-]*\w|\b[\w.-]*\w/(?=\s|$)|"
                     r"\b[\w-]+\.(?:pt|pth|bin|ckpt|safetensors|npy|npz|pkl|onnx|h5|json|csv))",
                     re.IGNORECASE)
@@ -115,7 +116,8 @@ def _ended_on_its_result(scan: ScanResult, keys: list[StreamKey], tail: list[Tai
     before = -1     # the highest step printed so far
     for at, (source, number, text) in enumerate(tail):
         message = message_of(text)
-        ended = (_SAVED.search(message) or _SAVED_EXPORT.search(message) or SIGNED_OFF.search(message)) and not _SOURCE_TAG.search(text)
+        ended = (_SAVED.search(message) or _SAVED_EXPORT.search(message) or SIGNED_OFF.search(message)) \
+            and not _SOURCE_TAG.search(text)
         if ended and before >= 0:
             rank = _rank_of(scan, keys, source, number, message)
             after = [(s, n, message_of(t)) for s, n, t in tail[at + 1:] if s == source]

@@ -13,16 +13,15 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-SOURCES = ("kernel.py", "kernel_lines.py", "kernel_markers.py", "kernel_prefixes.py", "flags.py")
+SOURCES = ("kernel*.py", "flags.py")      # the compiled kernel's modules, and the flags it sets
 STAMP = "kernel_sources.sha256"
 
 
 def sources_digest(folder: Path) -> str:
     digest = hashlib.sha256()
-    for name in SOURCES:
-        path = folder / name
-        digest.update(name.encode())
-        digest.update(path.read_bytes() if path.is_file() else b"")
+    for path in sorted({p for pattern in SOURCES for p in folder.glob(pattern)} - {folder / "kernel_cache.py"}):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
@@ -36,7 +35,7 @@ def drop_stale_cache(folder: Path = Path(__file__).resolve().parent) -> bool:
     try:
         if stamp.is_file() and stamp.read_text().strip() == digest:
             return False
-        stale = [p for p in cache.glob("kernel*.nb[ic]")] if cache.is_dir() else []
+        stale = list(cache.glob("kernel*.nb[ic]")) if cache.is_dir() else []
         for path in stale:
             path.unlink(missing_ok=True)
         cache.mkdir(exist_ok=True)

@@ -45,7 +45,7 @@ def is_rank_at(buf, p):
 def marker(buf, c, end, found):
     """line_marks.find_rank_marker on an unprefixed message, within its first 120 characters
     (case-insensitive), trying its three patterns in order:
-    1. `[ *(global[_ ])?rank *[:=#]? *(\\d{1,9}) *(/ *\\d+ *)?]`
+    1. `[ *(global[_ ]|[a-z][\\w.-]{0,31} +)?rank *[:=#]? *(\\d{1,9}) *(/ *\\d+ *)?]`
     2. `(^|[ ,(|])(global_)?rank *[=:] *(\\d{1,9})\\b`
     3. `^ *rank *(\\d{1,9})( */ *\\d+)?( *[:|\\]]| +(?!(and|or|failed|...)\\b)[a-z])` (line_marks.py's NOT_OWN_WORDS)
     (and the last ones: `(rank N)`, `> rank N` read here; `] rank N: `, `ERROR rank N: ` left to the exact path)
