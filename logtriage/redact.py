@@ -52,6 +52,8 @@ _NOT_SECRET_NAMES = re.compile(r"(?i)^(?:pad|eos|bos|unk|sep|cls|mask|additional
 _PLACEHOLDER = re.compile(r"(?i)^(?:|none|null|nil|true|false|yes|no|\*+|x{3,}|\.{3}|<[^<>]*>|\$\{?\w+\}?|"
                           r"%\w+%|\[REDACTED:\w+\]|redacted|not set|unset|changeme)$")
 
+# a banner's rule (`=== ... fault=grain_key ===`), read as a value after `grain_key =`
+_RULE_CHARS = re.compile(r"^[=#~_-]+$")
 # a count or a metric (`query_token: 0.0038` in a training log), not a secret
 _SHORT_NUMBER = re.compile(r"^\d{1,8}(?:\.\d{1,8})?$")
 # Lower-case config names that are secret only by their `_key` suffix (`full_key`, `sort_key`) hold
@@ -227,6 +229,8 @@ class Redactor:
         listed = plain.rstrip(",;")   # a dict or argument list goes on after the value: `'x_token': False,`
         if _NOT_SECRET_NAMES.match(bare) or _PLACEHOLDER.match(listed) or _SHORT_NUMBER.match(listed):
             return m.group(0)   # a short number is a counter or an index, not a secret (store_based_barrier_key:2)
+        if _RULE_CHARS.match(listed):
+            return m.group(0)   # a banner's rule, not a value: the closing `===` after `fault=grain_key`
         if _WEAK_SECRET_NAME.match(bare) and (_IDENTIFIER_VALUE.match(plain) or _WORD_VALUE.match(plain)
                                                or _names_a_field(bare, plain)) and not token_kind(value):
             return m.group(0)   # full_key: dataset.train_dataset; unique_by_key: failed to synchronize

@@ -87,6 +87,8 @@ def test_assignment_keeps_the_name_and_quotes():
     "OpType=ALLREDUCE, NumelIn=304640, NumelOut=304640, Timeout(ms)=1800000) ran for 1800414 milliseconds",
     "torch_git cf30153c4c131c8164ee7798e5022d810682e2cb at commit 1d2f3a4b",
     "[W socket.cpp:426] [c10d] The server socket has failed to bind to [::]:29500 (errno: 98 - Address already in use).",
+    # a script's banner whose closing rule follows a name ending in `_key` (sample_logs/cpu_adhoc 506th batch)
+    "=== avsn danger-rating training: vm world=3 fault=grain_key ===",
 ])
 def test_diagnosis_is_never_masked(line):
     assert Redactor().redact(line) == line
