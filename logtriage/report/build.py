@@ -85,6 +85,10 @@ def _exception_type(scan: ScanResult, diag: Diagnosis, finding: Finding) -> str 
     `RuntimeError: CUDA error` traceback)."""
     if finding.exception_type:
         return finding.exception_type
+    thrown = _THROWN.search(finding.text)
+    if thrown:
+        # the C++ runtime's `terminate called after throwing an instance of 'std::out_of_range'`: the type it names
+        return thrown.group(1)
     if _WHAT.search(finding.text) and 0 <= finding.source < len(scan.sources):
         # C++'s `what():` line of an uncaught exception: its type is on the line above it
         above = read_lines(scan.sources[finding.source], scan.indexes[finding.source], [finding.line - 1])
