@@ -105,6 +105,9 @@ _SAVED = re.compile(r"\b(?:saved|exported|wrote|written)\b"
 # or that it saved its export, with no path (`rank 0 saved export`, the last line of a clean run: cpu_adhoc 508th batch)
 _SAVED_EXPORT = re.compile(r"\bsaved (?:the |its |an? )?(?:final )?export\s*$", re.IGNORECASE)
 _SOURCE_TAG = re.compile(r"\b\w+\.py:\d+\b")
+# transformers.Trainer's own log records (`{'loss': '7.154', 'grad_norm': ..., 'epoch': '0.5'}`, and
+# `{'train_runtime': '0.4885', ...}` when train() returns): progress with no step number (cpu_adhoc 518th batch)
+_TRAINER_RECORD = re.compile(r"^\{['\"](?:loss|eval_loss|train_runtime)['\"]: ")
 
 
 def _ended_on_its_result(scan: ScanResult, keys: list[StreamKey], tail: list[TailLine]) -> bool:
@@ -125,6 +128,8 @@ def _ended_on_its_result(scan: ScanResult, keys: list[StreamKey], tail: list[Tai
                    for s, n, m in after if m):
                 return True
         step = step_number(message)
+        if step is None and _TRAINER_RECORD.match(message):
+            step = 0
         before = before if step is None else max(before, step)
     return False
 
