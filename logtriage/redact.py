@@ -239,7 +239,9 @@ class Redactor:
 
     def _flag(self, m: re.Match) -> str:
         value = m.group("fl_val")
-        if _PLACEHOLDER.match(value):
+        bare = m.group("fl_name").lstrip("-").replace("-", "_")
+        # argparse's usage line names each option's value by its metavar (`[--eos-token EOS_TOKEN]`: public139)
+        if _PLACEHOLDER.match(value) or _NOT_SECRET_NAMES.match(bare) or value.rstrip("]).,") == bare.upper():
             return m.group(0)
         return m.group(0)[:m.start("fl_val") - m.start()] + _mark(token_kind(value) or _kind_by_name(m.group("fl_name")))
 

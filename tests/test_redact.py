@@ -89,6 +89,9 @@ def test_assignment_keeps_the_name_and_quotes():
     "[W socket.cpp:426] [c10d] The server socket has failed to bind to [::]:29500 (errno: 98 - Address already in use).",
     # a script's banner whose closing rule follows a name ending in `_key` (sample_logs/cpu_adhoc 506th batch)
     "=== avsn danger-rating training: vm world=3 fault=grain_key ===",
+    # argparse's usage names an option's value by its metavar (sample_logs/public139, Yi#69), and a tokenizer's token
+    "                             [--eos-token EOS_TOKEN]",
+    "usage: serve.py [-h] [--hf-token HF_TOKEN] [--api-key API_KEY] [--pad-token <pad>]",
 ])
 def test_diagnosis_is_never_masked(line):
     assert Redactor().redact(line) == line
