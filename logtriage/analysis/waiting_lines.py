@@ -221,16 +221,21 @@ def stopped_in_stride(scan: ScanResult, keys: list[StreamKey], root: RootCause, 
     if any(source != stop.source or last >= stop.line for source, _, last, _ in facts.last_progress.values()):
         return root
     ran = _seconds_before_stop(scan, stop)
-    if ran is None or ran < STARTUP_SECONDS:
+    # (no line before the stop stamped as it is, `accelerate launch` or an OMP_NUM_THREADS set: its time is unknown,
+    # and every rank's two or more progress lines say start-up was over)
+    if ran is None and all(first < last for _, first, last, _ in facts.last_progress.values()):
+        ran = -1.0
+    if ran is None or 0 <= ran < STARTUP_SECONDS:
         return root
     early = [(rank, text) for rank, (_, text) in last_worker_lines(scan, keys, stop.source, stop.line)[1].items()
              if STOPPED_EARLY.search(text)]
     rank, said = early[0] if len(early) == 1 else (None, "")
     return replace(root, rule=stopped_while_waiting_rule(catalog), rank=rank, ranks=(rank,) if rank is not None
                    else (), confidence=min(root.confidence, 0.3), reasons=root.reasons + (
-        f"a SIGTERM to the launcher {ran:.0f} s after the job's start, nothing failed, every rank had printed progress "
+        ("a SIGTERM to the launcher " + (f"{ran:.0f} s after the job's start" if ran >= 0 else "after every rank's "
+         "second progress line or later") + ", nothing failed, every rank had printed progress "
         "and no rank printed any after the stop (a live job's workers answer the SIGTERM passed on to them): the "
-        "ranks had stopped moving before the stop came, and the stop ended that hang",) + ((
+        "ranks had stopped moving before the stop came, and the stop ended that hang"),) + ((
             f"rank {rank}'s last line says it stopped early (`{said[:120]}`): it left the others' path, and they "
             "waited for it",) if rank is not None else ()))
 
