@@ -1,9 +1,10 @@
 """Readings of stop 57's second round (cpu_adhoc 520th-523rd batches).
 
-A SIGTERM to the launcher (`timeout`) after every rank printed two or more steps, nothing failed and no rank printed
-progress after it: a stop that ended a hang, also where no line before it is stamped as the stop is (`accelerate
-launch` prints no stamped banner; torchrun prints none when OMP_NUM_THREADS is set), so the time from the start is
-unknown. Before, such a log read as a stop from outside (external_stop).
+A SIGTERM to the launcher (`timeout`) after every rank stepped on from its first progress line, nothing failed and
+no rank printed progress after it: a stop that ended a hang, also where no line before it is stamped as the stop is
+(`accelerate launch` prints no stamped banner; torchrun prints none when OMP_NUM_THREADS is set), so the time from
+the start is unknown. Before, such a log read as a stop from outside (external_stop). Heartbeats at one step are not
+steps on (tests/test_rootcause.py::test_two_heartbeats_are_not_yet_a_stall).
 
 A control run's rank 0 that says it finished its run (`rank 0 finished quill stroke trainer run`) after the Trainer's
 records: the program ended, the run is ok.

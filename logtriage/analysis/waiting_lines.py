@@ -27,7 +27,7 @@ from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
 from logtriage.demux.streams import StreamKey
 from logtriage.ingest.lines import read_lines
-from logtriage.scan_result import ScanResult
+from logtriage.scan_result import ScanResult, step_number
 
 WAIT_SECONDS = 30.0   # a stamped wait shorter than this when the stop came is no hang (a component stopped it)
 STARTUP_SECONDS = 30.0   # from the launcher's start to the stop, no step printed: start-up had stuck
@@ -222,8 +222,8 @@ def stopped_in_stride(scan: ScanResult, keys: list[StreamKey], root: RootCause, 
         return root
     ran = _seconds_before_stop(scan, stop)
     # (no line before the stop stamped as it is, `accelerate launch` or an OMP_NUM_THREADS set: its time is unknown,
-    # and every rank's two or more progress lines say start-up was over)
-    if ran is None and all(first < last for _, first, last, _ in facts.last_progress.values()):
+    # and every rank's progress past its first step says start-up was over)
+    if ran is None and _every_rank_stepped_on(scan, facts):
         ran = -1.0
     if ran is None or 0 <= ran < STARTUP_SECONDS:
         return root
@@ -232,12 +232,28 @@ def stopped_in_stride(scan: ScanResult, keys: list[StreamKey], root: RootCause, 
     rank, said = early[0] if len(early) == 1 else (None, "")
     return replace(root, rule=stopped_while_waiting_rule(catalog), rank=rank, ranks=(rank,) if rank is not None
                    else (), confidence=min(root.confidence, 0.3), reasons=root.reasons + (
-        ("a SIGTERM to the launcher " + (f"{ran:.0f} s after the job's start" if ran >= 0 else "after every rank's "
-         "second progress line or later") + ", nothing failed, every rank had printed progress "
+        ("a SIGTERM to the launcher " + (f"{ran:.0f} s after the job's start" if ran >= 0 else "after every rank had "
+         "stepped on from its first progress line") + ", nothing failed, every rank had printed progress "
         "and no rank printed any after the stop (a live job's workers answer the SIGTERM passed on to them): the "
         "ranks had stopped moving before the stop came, and the stop ended that hang"),) + ((
             f"rank {rank}'s last line says it stopped early (`{said[:120]}`): it left the others' path, and they "
             "waited for it",) if rank is not None else ()))
+
+
+def _every_rank_stepped_on(scan: ScanResult, facts: RankFacts) -> bool:
+    """Every rank's last progress line names a later step than its first one (not heartbeats at one step)."""
+    firsts: dict[int, list[tuple[int, str]]] = {}
+    for source, first, last, text in facts.last_progress.values():
+        if first >= last or source >= len(scan.sources):
+            return False
+        firsts.setdefault(source, []).append((first, text))
+    for source, ranks in firsts.items():
+        lines = read_lines(scan.sources[source], scan.indexes[source], sorted({first for first, _ in ranks}))
+        for first, text in ranks:
+            begun, reached = step_number(lines.get(first, "")), step_number(text)
+            if begun is None or reached is None or begun >= reached:
+                return False
+    return bool(firsts)
 
 
 def _workers_stopped(findings: list[Finding], source: int) -> int:
