@@ -24,7 +24,8 @@ SIGNED_OFF = re.compile(r"\b(?:done|finished|completed?|exiting)[.!]?\s*$|\b(?:d
                         r"\s+(?:(?:loss|acc(?:uracy)?|metric)\b|[a-z][\w@-]*\s*[=:]?\s*[-+]?\d[\d.]*\s*$))"
                         rf"|\b(?:done|finished|completed?)[:,]?\s+(?!.*\b(?:wait\w*|retr\w*|error|fail\w*|timed? ?out|stuck)\b)"
                         rf"{_COUNT}(?:[,;]?\s+{_COUNT})*[.]?\s*$"
-                        r"|\b(?:finished|completed)\s+(?:(?:the|its|a)\s+)?(?:[a-z][\w-]*\s+){0,4}(?:run|training|job)[.!]?\s*$",
+                        r"|\b(?:finished|completed)\s+(?:(?:the|its|a)\s+)?(?:[a-z][\w-]*\s+){0,4}"
+                        r"(?:run|training|job)[.!]?\s*$",
                         re.IGNORECASE)
 # a line that sums a finished run up (`final val_loss 0.2204`, `best acc 0.91`), and says nothing of errors
 _SUMMED_UP = re.compile(r"^(?!.*\b(?:error|fail\w*|warn\w*|wait\w*|timed? ?out)\b).*\b(?:final|total|best|summary)\b",

@@ -211,7 +211,8 @@ def stopped_in_stride(scan: ScanResult, keys: list[StreamKey], root: RootCause, 
     workers answer the SIGTERM the agent passes on (a handler's words, the step they finish), stuck ones are
     silent. The ranks had stopped moving before the stop came, and the stop ended a hang; with every rank's last
     line at one step, which rank stalled the log does not say, unless one rank alone last said it stopped early
-    (`rank 1 early stop after trial 1`): it went its own way, and the others waited for it."""
+    (`rank 1 early stop after trial 1`): it went its own way, and the others waited for it. Where no line before
+    the stop is stamped as it is, every rank's progress having moved past its first step says start-up was over."""
     stop = root.finding
     if (not _signalled_stop_alone(root, findings) or stop.stamp is None or stop.source >= len(scan.sources)
             or len(facts.known) < 2 or not facts.known <= facts.last_step.keys()
@@ -223,17 +224,15 @@ def stopped_in_stride(scan: ScanResult, keys: list[StreamKey], root: RootCause, 
     ran = _seconds_before_stop(scan, stop)
     # (no line before the stop stamped as it is, `accelerate launch` or an OMP_NUM_THREADS set: its time is unknown,
     # and every rank's progress past its first step says start-up was over)
-    if ran is None and _every_rank_stepped_on(scan, facts):
-        ran = -1.0
-    if ran is None or 0 <= ran < STARTUP_SECONDS:
+    if (ran is None and not _every_rank_stepped_on(scan, facts)) or (ran is not None and ran < STARTUP_SECONDS):
         return root
     early = [(rank, text) for rank, (_, text) in last_worker_lines(scan, keys, stop.source, stop.line)[1].items()
              if STOPPED_EARLY.search(text)]
     rank, said = early[0] if len(early) == 1 else (None, "")
     return replace(root, rule=stopped_while_waiting_rule(catalog), rank=rank, ranks=(rank,) if rank is not None
                    else (), confidence=min(root.confidence, 0.3), reasons=root.reasons + (
-        ("a SIGTERM to the launcher " + (f"{ran:.0f} s after the job's start" if ran >= 0 else "after every rank had "
-         "stepped on from its first progress line") + ", nothing failed, every rank had printed progress "
+        ("a SIGTERM to the launcher " + (f"{ran:.0f} s after the job's start" if ran is not None else "after every "
+         "rank had stepped on from its first progress line") + ", nothing failed, every rank had printed progress "
         "and no rank printed any after the stop (a live job's workers answer the SIGTERM passed on to them): the "
         "ranks had stopped moving before the stop came, and the stop ended that hang"),) + ((
             f"rank {rank}'s last line says it stopped early (`{said[:120]}`): it left the others' path, and they "
