@@ -25,6 +25,7 @@
                         and SkyPilot's `(worker1, rank=1, pid=914, ip=10.1.145.81) ` (a node's rank)
     stream tag          `[stderr]` `[stdout]` (a wrapper's, glued to the message; no rank)
     torchrun --tee      `[default0]:` `[trainer1]:` `[gpu187:2]:`   (local rank)
+    empty template      `[]:`                     (a template whose fields the shell emptied; no rank)
     prefix template     `[default|rank=1|local=1] ` or any leading `[...]` with a rank field;
                         a trainer's `[RANK 1] ` label; a template's `[r1] ` / `[w1] ` (a word and a
                         number in brackets, the same word on many lines of the log)
@@ -146,6 +147,12 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
         else:
             local = int(m.group(2))
         text = text[m.end():]
+        layers.append("template")
+    if text[:3] == "[]:":
+        # a line-prefix template whose fields the shell expanded to nothing before torchrun read it
+        # (`TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[${role_name}${rank}]:"` in double quotes): it names no
+        # rank, and what follows it is read as on any line (cpu_adhoc 528th batch)
+        text = text[3:]
         layers.append("template")
     m = TEE_HOST.match(text)
     if m:
