@@ -24,8 +24,8 @@
                         vLLM's `(VllmWorker rank=0 pid=10672) `     (a vLLM worker: its rank)
                         and SkyPilot's `(worker1, rank=1, pid=914, ip=10.1.145.81) ` (a node's rank)
     stream tag          `[stderr]` `[stdout]` (a wrapper's, glued to the message; no rank)
-    torchrun --tee      `[default0]:` `[trainer1]:` `[gpu187:2]:`   (local rank)
     empty template      `[]:`                     (a template whose fields the shell emptied; no rank)
+    torchrun --tee      `[default0]:` `[trainer1]:` `[gpu187:2]:`   (local rank)
     prefix template     `[default|rank=1|local=1] ` or any leading `[...]` with a rank field;
                         a trainer's `[RANK 1] ` label; a template's `[r1] ` / `[w1] ` (a word and a
                         number in brackets, the same word on many lines of the log)
