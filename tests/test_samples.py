@@ -3,6 +3,7 @@ line by line: test_conservation.py)."""
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,11 @@ LOG_DIRS = [c for c in CASES if c.log.is_file() and c.log.with_suffix("").is_dir
             and not (c.expectation.rule or "").startswith("signal.") and c.expectation.category != "crash_signal"]
 
 
+def _log_dir_known_miss(case) -> str:
+    """Why the folder, too, misses the label (`log_dir_known_miss = "..."` in the case's expect file), if it does."""
+    return str(tomllib.loads(case.expect_path.read_text()).get("log_dir_known_miss", ""))
+
+
 @pytest.mark.parametrize("case", LOG_DIRS, ids=[c.name for c in LOG_DIRS])
 def test_log_dir_copy_names_the_same_root(case):
     """A run captured with `--log-dir` has a folder of per-rank files beside its console log: the
@@ -75,6 +81,8 @@ def test_log_dir_copy_names_the_same_root(case):
     once restarted per file, so rank 1's traceback merged with rank 0's and lost to its gloo error)."""
     rc = triage([str(case.log.with_suffix(""))], TriageOptions()).to_dict()["root_cause"]
     want = case.expectation
+    if (why := _log_dir_known_miss(case)) and rc["category"] != want.category:
+        pytest.xfail(why)
     assert rc["category"] == want.category
     if want.rule is not None:       # (a label that names no rule leaves the rule open, as compare() does)
         assert rc["rule_id"] == want.rule or (want.rule, rc["rule_id"]) in RULE_CONVENTIONS
