@@ -25,8 +25,11 @@ def test_the_thrown_type_is_the_roots_exception(name):
 
 def test_a_terminate_without_an_exception_names_no_type(tmp_path):
     [log] = PUBLIC138.glob("pytorch39504*.log")
+    text = log.read_text()
+    assert "terminate called after throwing an instance of 'std::out_of_range'\n" in text
+    assert "  what():  _Map_base::at\n" in text
     edited = tmp_path / "edited.log"
-    edited.write_text(log.read_text().replace("terminate called after throwing an instance of 'std::out_of_range'\n",
+    edited.write_text(text.replace("terminate called after throwing an instance of 'std::out_of_range'\n",
                                               "terminate called without an active exception\n")
                       .replace("  what():  _Map_base::at\n", ""))
     rc = triage([str(edited)]).to_dict()["root_cause"]
