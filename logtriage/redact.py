@@ -48,6 +48,11 @@ _SECRET_NAME = (r"(?i:[\w.-]*?(?:token|secret|password|passwd|passphrase|apikey|
 SECRET_NAME = re.compile(rf"^{_SECRET_NAME}$")
 # Tokenizer attributes that look like secrets by name only.
 _NOT_SECRET_NAMES = re.compile(r"(?i)^(?:pad|eos|bos|unk|sep|cls|mask|additional_special|special|max|num)_tokens?$")
+
+
+def _not_secret_name(name: str) -> bool:
+    """A tokenizer attribute, in any spelling: `eos_token`, `eos-token`, `--pad-token`."""
+    return bool(_NOT_SECRET_NAMES.match(name.strip("\"'-").replace("-", "_")))
 # Values that hold nothing secret: empty, placeholders, booleans, references to another variable.
 _PLACEHOLDER = re.compile(r"(?i)^(?:|none|null|nil|true|false|yes|no|\*+|x{3,}|\.{3}|<[^<>]*>|\$\{?\w+\}?|"
                           r"%\w+%|\[REDACTED:\w+\]|redacted|not set|unset|changeme)$")
@@ -204,7 +209,7 @@ class Redactor:
         """Nested JSON-like data (probe facts, a report dict): every string redacted; a string
         under a secret-named key masked whole; under a host-named key treated as a host name."""
         if isinstance(value, str):
-            if key is not None and SECRET_NAME.match(key) and not _NOT_SECRET_NAMES.match(key) \
+            if key is not None and SECRET_NAME.match(key) and not _not_secret_name(key) \
                     and not _PLACEHOLDER.match(value.strip()):
                 return _mark(token_kind(value) or _kind_by_name(key))
             if key is not None and key.lower() in ("host", "hostname", "master_addr", "node", "nodename"):
@@ -227,7 +232,7 @@ class Redactor:
         bare = name.strip("\"'-")
         plain = value.strip()
         listed = plain.rstrip(",;")   # a dict or argument list goes on after the value: `'x_token': False,`
-        if _NOT_SECRET_NAMES.match(bare) or _PLACEHOLDER.match(listed) or _SHORT_NUMBER.match(listed):
+        if _not_secret_name(bare) or _PLACEHOLDER.match(listed) or _SHORT_NUMBER.match(listed):
             return m.group(0)   # a short number is a counter or an index, not a secret (store_based_barrier_key:2)
         if _RULE_CHARS.match(listed):
             return m.group(0)   # a banner's rule, not a value: the closing `===` after `fault=grain_key`
@@ -241,7 +246,7 @@ class Redactor:
         value = m.group("fl_val")
         bare = m.group("fl_name").lstrip("-").replace("-", "_")
         # argparse's usage line names each option's value by its metavar (`[--eos-token EOS_TOKEN]`: public139)
-        if _PLACEHOLDER.match(value) or _NOT_SECRET_NAMES.match(bare) or value.rstrip("]).,") == bare.upper():
+        if _PLACEHOLDER.match(value) or _not_secret_name(bare) or value.rstrip("]).,") == bare.upper():
             return m.group(0)
         return m.group(0)[:m.start("fl_val") - m.start()] + _mark(token_kind(value) or _kind_by_name(m.group("fl_name")))
 

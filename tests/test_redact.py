@@ -92,9 +92,17 @@ def test_assignment_keeps_the_name_and_quotes():
     # argparse's usage names an option's value by its metavar (sample_logs/public139, Yi#69), and a tokenizer's token
     "                             [--eos-token EOS_TOKEN]",
     "usage: serve.py [-h] [--hf-token HF_TOKEN] [--api-key API_KEY] [--pad-token <pad>]",
+    # the same tokenizer attributes spelt with dashes, as options or as a config's keys
+    "eos-token=abcdefghijklmnop1234 pad-token: \"<|endoftext|>x\" --pad-token=[PAD]",
 ])
 def test_diagnosis_is_never_masked(line):
     assert Redactor().redact(line) == line
+
+
+def test_data_keys_with_dashes_are_tokenizer_attributes_or_secrets():
+    assert Redactor().redact_data({"eos-token": "abcdef0123456789", "api-token": "abcdef0123456789"}) == \
+        {"eos-token": "abcdef0123456789", "api-token": "[REDACTED:secret]"}
+    assert Redactor().redact("hf-token=abcdefghijklmnop1234") == "hf-token=[REDACTED:secret]"
 
 
 def test_extras_keep_ports_pids_ranks_and_exit_codes():
