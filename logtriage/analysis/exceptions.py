@@ -40,7 +40,8 @@ _COPY_COMMAND = re.compile(r"Command '\[?'?(?:\S*/)?(?:tar|cp|rsync|mv|zip|gzip|
 # for another pass, a partition of a graph or a dataset (`data/shard_00003.pt`, `data_node0/shard_002.pt`, a
 # relative `data/conf_train_dedup_r2.pt`,
 # `teacher_logits.pt`, `once1_tokens.pt`, `part_3.pt`, `miss1_case_3_3.pt`, `replay_rank3_task0.pt`,
-# `shards/train_00004.pt`, `feats_v2/train-00002-of-00003.pt`, `scans_v2/shard_003.pt`); never one named for
+# `shards/train_00004.pt`, `feats_v2/train-00002-of-00003.pt`, `scans_v2/shard_003.pt`; a shards folder with a
+# qualifier, `shards_2025q4/plots_rank5.pt`, `shards_retiled/tesserae_rank3.pt`: cpu_adhoc 532nd, 530th); never one named for
 # checkpoints (_CHECKPOINT_NAMED)
 # a model's outputs kept for another pass, read back (_DATA_FILE) or written (_OUTPUT_WRITTEN)
 _MODEL_OUTPUTS = r"logits|features|embeddings"
@@ -61,7 +62,7 @@ _INDEXED_PIECE = r"/" + _NO_CHECKPOINT_WORD + r"[A-Za-z]+(?:[_-][A-Za-z]{2,})*[_
 # or a file named for a store of data (`signs_v2/archive.pt`, `tables_v2/store.pt`, `gloss_inventory.pt`: 289th-291st)
 _SPLIT_PIECE = (r"/" + _NO_CHECKPOINT_WORD + r"(?:[\w-]*[_-](?:train|val|valid|validation|test|eval|dev)|"
                 r"[\w-]*(?:archive|store|inventory|dataset|corpus)[\w-]*)\.pth?(?=')")
-_DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:(?<![\w.-])data[\w.-]*/|/shards?/|" + _MODEL_OUTPUTS + "|"
+_DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:(?<![\w.-])data[\w.-]*/|/shards?(?:[_-][\w-]+)?/|" + _MODEL_OUTPUTS + "|"
                         + _DATA_FOLDERS + "|" + _INDEXED_PIECE + "|" + _SPLIT_PIECE + "|"
                         r"tokeni[sz]ed|tokens[/_.]|partitions?[/_.]|/part_\d+\.|/shard[_-]\d+\.|"
                         r"(?:case|sample|volume|image|record)s?_\d+[_.]|replay[_.-]|"
