@@ -1,7 +1,8 @@
 """A missing file in a shards folder with a qualifier (`shards_2025q4/`, `shards_retiled/`, `shards_resampled/`) is a
 data shard, as one in a plain `shards/` folder is, even when its name carries a rank (`plots_rank5.pt`) that alone
 would read as a per-rank checkpoint (cpu_adhoc 530th, 532nd and 536th batches). A per-rank shard of a checkpoint in a
-folder of another name (`sw1/shard_rank4.pt`, `model_shards/rank3.pt`) stays a missing checkpoint."""
+folder of another name (`sw1/shard_rank4.pt`, `model_shards/rank3.pt`) stays a missing checkpoint. A file named a
+shard first (`shard_r0_2025.json`) is data unless its name holds a checkpoint's word (`shard_rank4.pt`)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,12 @@ LOAD = """[rank{r}]: Traceback (most recent call last):
     ("/tmp/job_work/shards_retiled/tesserae_rank3.pt", "data.file_not_found", "python_exception"),
     ("/tmp/job_work/shards_resampled/soundings_r4.csv", "data.file_not_found", "python_exception"),
     ("/tmp/job_work/shards/gusts_rank4_2026w49.pt", "data.file_not_found", "python_exception"),
+    # a file named a shard first, no checkpoint word in its name (cpu_adhoc 542nd, 543rd batches)
+    ("/tmp/job_work/shard_r0_2025.json", "data.file_not_found", "python_exception"),
+    ("/tmp/job_work/shard_3_missing.json", "data.file_not_found", "python_exception"),
     ("/tmp/job_work/sw1/shard_rank4.pt", "ckpt.not_found", "checkpoint"),
+    ("/tmp/job_work/shard_rank4.pt", "ckpt.not_found", "checkpoint"),
+    ("/tmp/job_work/shard_step3_optim.pt", "ckpt.not_found", "checkpoint"),
     ("/tmp/job_work/model_shards/rank3.pt", "ckpt.not_found", "checkpoint"),
     ("/tmp/job_work/shards_v2/ckpt_rank3.pt", "ckpt.not_found", "checkpoint"),
 ])
