@@ -13,7 +13,7 @@ from logtriage.analysis.signal_readings import exit_rule
 from logtriage.analysis.stopped import message_of
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
-from logtriage.demux.launcher import LAUNCH_BANNER
+from logtriage.demux.launcher import LAUNCH_BANNER, SENDING
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.ingest.lines import read_lines
 from logtriage.scan_result import ScanResult, SlotStats
@@ -37,14 +37,14 @@ _AGENT_KINDS = (StreamKind.LAUNCHER, StreamKind.BANNER, StreamKind.PROBE)
 def exit_one_output_elsewhere(root: RootCause, scan: ScanResult, stream_stats: dict[StreamKey, SlotStats],
                               failures: list[ChildFailure], catalog: Catalog) -> RootCause:
     """An exit code 1 with no message, in a console that holds torchrun's whole run (its start-up
-    banner, then the summary) and not one line of that worker: none of any worker (`--redirects`),
+    banner, or its teardown as the file's first line; then the summary) and not one line of that worker: none of any worker (`--redirects`),
     or only other ranks' labelled lines (`--tee 3 --local-ranks-filter 0`). Its output went to
     files, and 1 is the interpreter's exit on an uncaught exception. A paste of the summary alone
     (no banner), or a line no rank's label claims (it may be that worker's), stays an exit code."""
     if root.rule.id != exit_rule(catalog).id or root.rank is None:
         return root
     codes = {f.exitcode for f in failures if f.rank == root.rank}
-    if codes != {1} or not any(LAUNCH_BANNER.search(text) for _, _, text in scan.launcher_lines[:50]):
+    if codes != {1} or not _whole_console(scan.launcher_lines):
         return root
     if any(stats.lines for key, stats in stream_stats.items() if key.kind not in _AGENT_KINDS
            and (key.kind is not StreamKind.RANK or key.rank == root.rank)):
@@ -55,6 +55,15 @@ def exit_one_output_elsewhere(root: RootCause, scan: ScanResult, stream_stats: d
         f"torchrun's console holds its start-up and the failure summary but no line of rank {root.rank} (its "
         "output went to files, `--redirects`, or was filtered out); exit code 1 is Python's exit on an uncaught "
         f"exception, whose traceback is in rank {root.rank}'s own stderr file",))
+
+
+def _whole_console(launcher_lines: list[tuple[int, int, str]]) -> bool:
+    """torchrun's console from its start: its start-up banner, or, where OMP_NUM_THREADS was set and torchrun
+    prints none, a file whose first line is the agent's teardown of its workers (`Sending process N closing
+    signal SIGTERM`): no worker line ever came before it (cpu_adhoc 544th batch's redirects and filter runs)."""
+    if any(LAUNCH_BANNER.search(text) for _, _, text in launcher_lines[:50]):
+        return True
+    return bool(launcher_lines) and launcher_lines[0][1] == 1 and SENDING.search(launcher_lines[0][2]) is not None
 
 
 def unrecognised_exception(scan: ScanResult, keys: list[StreamKey], catalog: Catalog,
