@@ -40,3 +40,10 @@ def edited_report(slug: str, old: str, new: str, folder: Path) -> dict:
     log = folder / f"{slug}.edited.log"
     log.write_text(text.replace(old, new))
     return triage([str(log)]).to_dict()
+
+
+def text_root(text: str, folder: Path) -> dict:
+    """The root_cause object of a log whose whole text is `text`, written into `folder`."""
+    log = folder / "run.log"
+    log.write_text(text)
+    return triage([str(log)]).to_dict()["root_cause"]

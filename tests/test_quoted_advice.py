@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from logtriage.api import triage
+from sample_roots import text_root
 
 ADVICE = ("If you get `CUDA error: invalid device function` errors, the above might be the cause and the solution is "
           "to make sure only one ['libcudart.so', 'libcudart.so.11.0'] in the paths that we search based on your env.")
@@ -18,9 +18,7 @@ torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 984.00 MiB (G
 
 
 def _root(text: str, tmp_path: Path) -> tuple:
-    log = tmp_path / "run.log"
-    log.write_text(text)
-    rc = triage([str(log)]).to_dict()["root_cause"]
+    rc = text_root(text, tmp_path)
     return rc["rule_id"], rc["category"], rc["line"]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from logtriage.api import triage
+from sample_roots import text_root
 
 LOAD = """[rank{r}]: Traceback (most recent call last):
 [rank{r}]:   File "/tmp/job/train.py", line 131, in main
@@ -38,7 +38,5 @@ LOAD = """[rank{r}]: Traceback (most recent call last):
     ("/tmp/job_work/shards_v2/ckpt_rank3.pt", "ckpt.not_found", "checkpoint"),
 ])
 def test_a_missing_file_is_data_or_checkpoint_by_its_folder_and_name(path, rule, category, tmp_path: Path):
-    log = tmp_path / "run.log"
-    log.write_text(LOAD.format(r=5, path=path))
-    rc = triage([str(log)]).to_dict()["root_cause"]
+    rc = text_root(LOAD.format(r=5, path=path), tmp_path)
     assert (rc["rule_id"], rc["category"], rc["rank"], rc["line"]) == (rule, category, 5, 8)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from logtriage.api import triage
+from sample_roots import text_root
 
 PUBLIC = Path(__file__).resolve().parent.parent / "sample_logs" / "public144"
 
@@ -20,9 +21,7 @@ def test_the_min_throughput_assertion_is_the_runs_validity_gate():
 
 
 def _root(text: str, tmp_path: Path) -> tuple:
-    log = tmp_path / "run.log"
-    log.write_text(text)
-    rc = triage([str(log)]).to_dict()["root_cause"]
+    rc = text_root(text, tmp_path)
     return rc["rule_id"], rc["category"]
 
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from logtriage.api import triage
-from sample_roots import edited_report, sample_report
+from sample_roots import edited_report, sample_report, text_root
 
 PUBLIC = Path(__file__).resolve().parent.parent / "sample_logs" / "public139"
 CONTROL = "dialect_none_np4_rnone_hfacc"
@@ -33,9 +32,7 @@ def test_without_the_trainer_records_the_same_end_is_still_output_that_stopped(t
 
 
 def _root(text: str, tmp_path: Path) -> tuple:
-    log = tmp_path / "launch.log"
-    log.write_text(text)
-    rc = triage([str(log)]).to_dict()["root_cause"]
+    rc = text_root(text, tmp_path)
     return rc["rule_id"], rc["category"], rc["line"]
 
 
