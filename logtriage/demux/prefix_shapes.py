@@ -61,8 +61,9 @@ EXCEPTHOOK = re.compile(r"^\[rank(\d{1,12})\]:(?: |(?=\[)|$)")
 # (its label may have no space after it: `TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[${role_name}|r${rank}]'` puts
 # the message right after it, `[default|r0][rank0]: Traceback ...`)
 TEMPLATE = re.compile(r"^\[([^\[\]\n]{1,120})\](?::? |:?(?=\S))")
-# (a field of its own: `rank=1`, `rank 1`, `rank1`, or `r1` as in `[${role_name}|r${rank}] `)
-TEMPLATE_RANK = re.compile(r"(?:^|[|,;\s])(?:global_)?(?:rank|r)[=:\s]?(\d{1,12})(?:$|[|,;\s/])", re.IGNORECASE)
+# (a field of its own: `rank=1`, `rank 1`, `rank1`, or `r1` as in `[${role_name}|r${rank}] ` and
+# `[${role_name}-r${rank}/l${local_rank}]:`)
+TEMPLATE_RANK = re.compile(r"(?:^|[|,;\s/-])(?:global_)?(?:rank|r)[=:\s]?(\d{1,12})(?:$|[|,;\s/])", re.IGNORECASE)
 # a trainer's own rank label in front of the lines it writes (SimpleTuner: `[RANK 1] 2026-05-19 ...`; a
 # logging format's `[rank=2] `, `[rank: 2] `, `[Rank 2] `); torch's excepthook `[rank2]:` is not this
 # (`[rank 2] ` and `[Rank 2] ` are a user's rank marker, read as such by the demuxer and the fast scan alike)
@@ -79,7 +80,7 @@ COUNTER_WORDS = frozenset("epoch ep e iter iteration it i step s batch b t loss 
 # a template's field naming the role and the global rank glued (`${role_name}${rank}`: `[default1|1]:` from
 # `'[${role_name}${rank}|${local_rank}]:'`), as the tee header names the role and the local rank
 TEMPLATE_ROLE_RANK = re.compile(r"[A-Za-z_][A-Za-z_-]*?(\d{1,7})")
-TEMPLATE_LOCAL = re.compile(r"local(?:_rank)?[=:\s]?(\d{1,7})", re.IGNORECASE)
+TEMPLATE_LOCAL = re.compile(r"(?:local(?:_rank)?[=:\s]?|(?<=[|,;\s/-])l)(\d{1,7})(?![\w])", re.IGNORECASE)
 MAX_INDENT = 8
 # a Markdown code fence around (or between parts of) a pasted log: not part of the log's conventions
 FENCE = re.compile(r"^\s*(?:```|~~~)[\w+.-]*\s*$")

@@ -175,7 +175,7 @@ def strip_prefixes(line: str, dialect: Dialect) -> Prefixes:
     if m and not EXCEPTHOOK.match(text):
         inner = m.group(1)
         r = TEMPLATE_RANK.search(inner)
-        if r and ("|" in inner or "=" in inner):
+        if r and ("|" in inner or "=" in inner or "/" in inner):   # `default|r0`, `rank=0`, `default-r0/l0`
             rank, text = int(r.group(1)), text[m.end():]
             lm = TEMPLATE_LOCAL.search(inner)
             if lm:
