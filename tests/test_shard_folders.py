@@ -33,6 +33,12 @@ LOAD = """[rank{r}]: Traceback (most recent call last):
     ("/tmp/job_work/shard_3_missing.json", "data.file_not_found", "python_exception"),
     ("/tmp/job_work/sw1/shard_rank4.pt", "ckpt.not_found", "checkpoint"),
     ("/tmp/job_work/shard_rank4.pt", "ckpt.not_found", "checkpoint"),
+    # a rank's shard named for what it holds is data; a checkpoint's shard is named by the rank alone
+    # (cpu_adhoc 525th, 537th, 549th batches)
+    ("/tmp/job_work/shard_rank3_tidal.pt", "data.file_not_found", "python_exception"),
+    ("/tmp/job_work/shard_rank3_thermal_2026w49.pt", "data.file_not_found", "python_exception"),
+    ("/tmp/job_work/shard_rank2_of_3.pt", "ckpt.not_found", "checkpoint"),
+    ("/tmp/job_work/shard_rank2_optim.pt", "ckpt.not_found", "checkpoint"),
     ("/tmp/job_work/shard_step3_optim.pt", "ckpt.not_found", "checkpoint"),
     ("/tmp/job_work/model_shards/rank3.pt", "ckpt.not_found", "checkpoint"),
     ("/tmp/job_work/shards_v2/ckpt_rank3.pt", "ckpt.not_found", "checkpoint"),
