@@ -53,6 +53,8 @@ _NOT_SECRET_NAMES = re.compile(r"(?i)^(?:pad|eos|bos|unk|sep|cls|mask|additional
 def _not_secret_name(name: str) -> bool:
     """A tokenizer attribute, in any spelling: `eos_token`, `eos-token`, `--pad-token`."""
     return bool(_NOT_SECRET_NAMES.match(name.strip("\"'-").replace("-", "_")))
+
+
 # Values that hold nothing secret: empty, placeholders, booleans, references to another variable.
 _PLACEHOLDER = re.compile(r"(?i)^(?:|none|null|nil|true|false|yes|no|\*+|x{3,}|\.{3}|<[^<>]*>|\$\{?\w+\}?|"
                           r"%\w+%|\[REDACTED:\w+\]|redacted|not set|unset|changeme)$")

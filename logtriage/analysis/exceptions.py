@@ -41,10 +41,10 @@ _COPY_COMMAND = re.compile(r"Command '\[?'?(?:\S*/)?(?:tar|cp|rsync|mv|zip|gzip|
 # relative `data/conf_train_dedup_r2.pt`,
 # `teacher_logits.pt`, `once1_tokens.pt`, `part_3.pt`, `miss1_case_3_3.pt`, `replay_rank3_task0.pt`,
 # `shards/train_00004.pt`, `feats_v2/train-00002-of-00003.pt`, `scans_v2/shard_003.pt`; a shards folder with a
-# qualifier, `shards_2025q4/plots_rank5.pt`, `shards_retiled/tesserae_rank3.pt`: cpu_adhoc 532nd, 530th; a file named a
-# shard first, `shard_r0_2025.json`, `shard_3_missing.json`: 542nd, 543rd; a rank's shard named for what it holds,
-# `shard_rank3_tidal.pt`, where a checkpoint's is the rank alone, `shard_rank4.pt`: 525th, 537th, 549th); never one named for
-# checkpoints (_CHECKPOINT_NAMED)
+# qualifier, `shards_2025q4/plots_rank5.pt`, `shards_retiled/tesserae_rank3.pt`: cpu_adhoc 532nd, 530th; a file
+# named a shard first, `shard_r0_2025.json`, `shard_3_missing.json`: 542nd, 543rd; a rank's shard named for what it
+# holds, `shard_rank3_tidal.pt`, where a checkpoint's is the rank alone, `shard_rank4.pt`: 525th, 537th, 549th);
+# never one named for checkpoints (_CHECKPOINT_NAMED)
 # a model's outputs kept for another pass, read back (_DATA_FILE) or written (_OUTPUT_WRITTEN)
 _MODEL_OUTPUTS = r"logits|features|embeddings"
 # a folder named for the data it holds (`clips/shard_0_16k.pt`, `series_local/series_r1.npy`: cpu_adhoc 195th and
@@ -64,9 +64,10 @@ _INDEXED_PIECE = r"/" + _NO_CHECKPOINT_WORD + r"[A-Za-z]+(?:[_-][A-Za-z]{2,})*[_
 # or a file named for a store of data (`signs_v2/archive.pt`, `tables_v2/store.pt`, `gloss_inventory.pt`: 289th-291st)
 _SPLIT_PIECE = (r"/" + _NO_CHECKPOINT_WORD + r"(?:[\w-]*[_-](?:train|val|valid|validation|test|eval|dev)|"
                 r"[\w-]*(?:archive|store|inventory|dataset|corpus)[\w-]*)\.pth?(?=')")
-_DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:(?<![\w.-])data[\w.-]*/|/shards?(?:[_-][\w-]+)?/|" + _MODEL_OUTPUTS + "|"
-                        + _DATA_FOLDERS + "|" + _INDEXED_PIECE + "|" + _SPLIT_PIECE + "|"
-                        r"tokeni[sz]ed|tokens[/_.]|partitions?[/_.]|/part_\d+\.|/shard[_-]\d+\.|/" + _NO_CHECKPOINT_WORD + r"shards?[_-]|"
+_DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:(?<![\w.-])data[\w.-]*/|/shards?(?:[_-][\w-]+)?/|"
+                        + _MODEL_OUTPUTS + "|" + _DATA_FOLDERS + "|" + _INDEXED_PIECE + "|" + _SPLIT_PIECE + "|"
+                        r"tokeni[sz]ed|tokens[/_.]|partitions?[/_.]|/part_\d+\.|/shard[_-]\d+\.|"
+                        r"/" + _NO_CHECKPOINT_WORD + r"shards?[_-]|"
                         r"/shards?_rank\d+_(?!of_)" + _NO_CHECKPOINT_WORD + r"[A-Za-z][^/']*\.pth?(?=')|"
                         r"(?:case|sample|volume|image|record)s?_\d+[_.]|replay[_.-]|"
                         r"/(?:train|val|valid|test|eval)[_.-]\d+(?:-of-\d+)?\.)[^']*'",

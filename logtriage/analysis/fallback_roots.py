@@ -37,10 +37,11 @@ _AGENT_KINDS = (StreamKind.LAUNCHER, StreamKind.BANNER, StreamKind.PROBE)
 def exit_one_output_elsewhere(root: RootCause, scan: ScanResult, stream_stats: dict[StreamKey, SlotStats],
                               failures: list[ChildFailure], catalog: Catalog) -> RootCause:
     """An exit code 1 with no message, in a console that holds torchrun's whole run (its start-up
-    banner, or its teardown as the file's first line; then the summary) and not one line of that worker: none of any worker (`--redirects`),
-    or only other ranks' labelled lines (`--tee 3 --local-ranks-filter 0`). Its output went to
-    files, and 1 is the interpreter's exit on an uncaught exception. A paste of the summary alone
-    (no banner), or a line no rank's label claims (it may be that worker's), stays an exit code."""
+    banner, or its teardown as the file's first line; then the summary) and not one line of that
+    worker: none of any worker (`--redirects`), or only other ranks' labelled lines (`--tee 3
+    --local-ranks-filter 0`). Its output went to files, and 1 is the interpreter's exit on an
+    uncaught exception. A paste of the summary alone (no banner, and a first line that is not the
+    teardown), or a line no rank's label claims (it may be that worker's), stays an exit code."""
     if root.rule.id != exit_rule(catalog).id or root.rank is None:
         return root
     codes = {f.exitcode for f in failures if f.rank == root.rank}
