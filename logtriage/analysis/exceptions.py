@@ -67,8 +67,7 @@ _SPLIT_PIECE = (r"/" + _NO_CHECKPOINT_WORD + r"(?:[\w-]*[_-](?:train|val|valid|v
 _DATA_FILE = re.compile(r"No such file or directory: '[^']*(?:(?<![\w.-])data[\w.-]*/|/shards?(?:[_-][\w-]+)?/|"
                         + _MODEL_OUTPUTS + "|" + _DATA_FOLDERS + "|" + _INDEXED_PIECE + "|" + _SPLIT_PIECE + "|"
                         r"tokeni[sz]ed|tokens[/_.]|partitions?[/_.]|/part_\d+\.|/shard[_-]\d+\.|"
-                        r"/" + _NO_CHECKPOINT_WORD + r"shards?[_-]|"
-                        r"/shards?_rank\d+_(?!of_)" + _NO_CHECKPOINT_WORD + r"[A-Za-z][^/']*\.pth?(?=')|"
+                        r"/shards?[_-](?:rank\d+_(?!of_)(?=[A-Za-z]))?" + _NO_CHECKPOINT_WORD + "|"
                         r"(?:case|sample|volume|image|record)s?_\d+[_.]|replay[_.-]|"
                         r"/(?:train|val|valid|test|eval)[_.-]\d+(?:-of-\d+)?\.)[^']*'",
                         re.IGNORECASE)
