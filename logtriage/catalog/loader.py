@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Iterable
 
 from logtriage.catalog.compiled import CompiledRule, PatternError, compile_rule
+from logtriage.catalog.parse_cache import ParseCache, text_key
 from logtriage.catalog.rule import Rule, RuleValueError
 from logtriage.errors import CatalogError
 
@@ -64,8 +65,9 @@ def load_catalog(extra_dirs: Iterable[str | os.PathLike] = (), include_builtin: 
             problems.append(f"{_shown(directory)}: rules directory not found")
             continue
         seen_here: dict[str, str] = {}
+        parsed = ParseCache(directory)
         for path in sorted(directory.rglob("*.toml")):
-            compiled = _load_file(path, builtin, problems)
+            compiled = _load_file(path, builtin, problems, parsed, os.fsencode(path.relative_to(directory)).hex())
             if compiled is None:
                 continue
             rule_id = compiled.rule.id
@@ -74,13 +76,18 @@ def load_catalog(extra_dirs: Iterable[str | os.PathLike] = (), include_builtin: 
                 continue
             seen_here[rule_id] = _shown(path)
             by_id[rule_id] = compiled
+        parsed.save()
     return Catalog(tuple(by_id.values()), tuple(problems))
 
 
-def _load_file(path: Path, builtin: bool, problems: list[str]) -> CompiledRule | None:
+def _load_file(path: Path, builtin: bool, problems: list[str], parsed: ParseCache, name: str) -> CompiledRule | None:
     try:
         text = path.read_text(encoding="utf-8")
-        data = tomllib.loads(text)
+        key = text_key(text)
+        data = parsed.get(name, key)
+        if data is None:
+            data = tomllib.loads(text)
+            parsed.put(name, key, data)
     except (OSError, UnicodeDecodeError) as exc:
         problems.append(f"{_shown(path)}:1: cannot read: {exc}")
         return None
