@@ -35,3 +35,21 @@ def test_a_line_before_the_teardown_leaves_an_exit_code(tmp_path):
     log = tmp_path / "paste.log"
     log.write_text("see the log below\n" + SAMPLE.read_text())
     assert _root(log) == ("signal.exit_nonzero", "unknown", 5)
+
+
+FILTERED = SAMPLE.parent / "nrwhl_ring_key_np8_r5_filter.log"
+
+
+def test_a_filter_console_that_begins_at_a_ranks_start_held_the_whole_run():
+    # OMP_NUM_THREADS set, no banner, `--local-ranks-filter 0,1` without --tee: line 1 is rank 0's own start-up
+    # line and its progress begins at step 0; rank 5's KeyError went nowhere the console shows
+    assert FILTERED.read_text().startswith("rank 0/8 loaded rings_shard_00.pt")
+    assert _root(FILTERED) == ("python.exit_one_output_elsewhere", "python_exception", 5)
+
+
+def test_a_filter_console_cut_after_step_0_leaves_an_exit_code(tmp_path):
+    lines = FILTERED.read_text().splitlines(keepends=True)
+    assert lines[5].startswith("rank 0 step 1")
+    log = tmp_path / "paste.log"
+    log.write_text("".join(lines[5:]))   # a paste from rank 0's step 1 on
+    assert _root(log) == ("signal.exit_nonzero", "unknown", 5)

@@ -28,6 +28,7 @@ from logtriage.analysis.hangs import (
 )
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid, shared_gpu
 from logtriage.analysis.invalid_values import finite_invalid_values, own_loss_check
+from logtriage.analysis.interrupted_work import stopped_mid_work
 from logtriage.analysis.lone_notice import hang_answered_alone, notice_ended_hang, stop_notices
 from logtriage.analysis.loss_outlier import loss_outlier_rank, shared_nan_then_one_check
 from logtriage.analysis.odd_start import odd_start_rank
@@ -121,7 +122,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is not None and root.rule.category is Category.EXTERNAL_STOP:
         root = finished_then_stopped(stop_after_task_failure(stop_for_memory(root, findings), findings),
                                      findings, catalog)
-        root = stalled_before_stop(scan, root, findings, catalog)
+        root = stopped_mid_work(scan, keys, stalled_before_stop(scan, root, findings, catalog), catalog)
         if root.rule.category is Category.EXTERNAL_STOP:
             root = heartbeats_before_stop(scan, keys, root, findings, catalog)
         root = stopped_in_startup(scan, keys, waiting_before_stop(scan, keys, root, findings, catalog), findings, facts,

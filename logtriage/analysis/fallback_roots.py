@@ -16,7 +16,7 @@ from logtriage.catalog.rule import Category
 from logtriage.demux.launcher import LAUNCH_BANNER, SENDING
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.ingest.lines import read_lines
-from logtriage.scan_result import ScanResult, SlotStats
+from logtriage.scan_result import ScanResult, SlotStats, step_number
 
 
 def exit_only_root(failures: list[ChildFailure], catalog: Catalog) -> RootCause | None:
@@ -45,7 +45,7 @@ def exit_one_output_elsewhere(root: RootCause, scan: ScanResult, stream_stats: d
     if root.rule.id != exit_rule(catalog).id or root.rank is None:
         return root
     codes = {f.exitcode for f in failures if f.rank == root.rank}
-    if codes != {1} or not _whole_console(scan.launcher_lines):
+    if codes != {1} or not (_whole_console(scan.launcher_lines) or _from_the_first_step(scan, stream_stats)):
         return root
     if any(stats.lines for key, stats in stream_stats.items() if key.kind not in _AGENT_KINDS
            and (key.kind is not StreamKind.RANK or key.rank == root.rank)):
@@ -65,6 +65,20 @@ def _whole_console(launcher_lines: list[tuple[int, int, str]]) -> bool:
     if any(LAUNCH_BANNER.search(text) for _, _, text in launcher_lines[:50]):
         return True
     return bool(launcher_lines) and launcher_lines[0][1] == 1 and SENDING.search(launcher_lines[0][2]) is not None
+
+
+def _from_the_first_step(scan: ScanResult, stream_stats: dict[StreamKey, SlotStats]) -> bool:
+    """A banner-less console (OMP_NUM_THREADS set) that begins with a rank's own line and holds that rank's
+    progress from step 0: the run from its start (a `--local-ranks-filter 0,1` console whose first line is
+    `rank 0/8 loaded rings_shard_00.pt`, cpu_adhoc 552nd batch), not a paste cut from its middle."""
+    for key, stats in stream_stats.items():
+        if key.kind is not StreamKind.RANK or stats.first_line is None or stats.first_line[1] != 1 \
+                or stats.first_step_line is None:
+            continue
+        source, number = stats.first_step_line
+        text = read_lines(scan.sources[source], scan.indexes[source], [number]).get(number, "")
+        return step_number(message_of(text)) == 0
+    return False
 
 
 def unrecognised_exception(scan: ScanResult, keys: list[StreamKey], catalog: Catalog,
