@@ -1,7 +1,9 @@
 """With OMP_NUM_THREADS set, torchrun prints no start-up banner, so a `--redirects 3` or `--local-ranks-filter`
 console can begin with the agent's teardown (`Sending process N closing signal SIGTERM`): no worker line ever came
 before it, and the failed rank's exit code 1 is an uncaught exception whose traceback went to its own files
-(cpu_adhoc 544th batch). A console with any line before the teardown stays an exit code."""
+(cpu_adhoc 544th batch). So can a `--local-ranks-filter` console without --tee, whose first line is a shown rank's
+own start-up line (552nd batch). A console with any line before the teardown, or one that begins after the shown
+ranks' step 0, stays an exit code."""
 
 from __future__ import annotations
 

@@ -30,8 +30,9 @@ MAX_BLOCK_LINES = 400   # a traceback longer than this is read no further (its f
 MAX_BLOCKS = 1024       # tracebacks read back at most (the reading is per line)
 _FRAME = re.compile(r'^File "(?P<file>[^"]+)", line \d+, in (?P<func>[\w<>.]+)')
 # a signal handler's frame: Lightning's connector, torchelastic's, a program's own `handler(signum, frame)`
-_HANDLER = re.compile(r"signal_connector\.py$|(?:^|_)(?:sig\w*_)?handler(?:_fn)?$|_sig(?:term|int)_\w*fn$|"
-                      r"^_?terminate_process_handler$", re.IGNORECASE)
+# (`signal_handler`, `_sigterm_handler`, `handle_sigterm`, `_sigterm_notifier_fn`; not any `*_handler`)
+_HANDLER = re.compile(r"signal_connector\.py$|^_?(?:signal|sig(?:term|int|usr\d)?)_?handler$|^_?sig(?:term|int)_\w+$|"
+                      r"^_?handle_?sig\w*$|^_?terminate_process_handler$", re.IGNORECASE)
 # library code: an installed package or the standard library
 _LIBRARY = re.compile(r"/(?:site|dist)-packages/|/lib/python\d[\d.]*/|^<frozen ")
 _COLLECTIVE_FILE = re.compile(r"/torch/distributed/")
