@@ -19,6 +19,7 @@ from logtriage.analysis.exception_names import CALLBACK_WRAPPED, exception_type_
 from logtriage.analysis.record_stamps import record_stamps
 from logtriage.analysis.same_event import one_reading_per_event
 from logtriage.analysis.timestamps import Stamp
+from logtriage.analysis.loss_came_back import mark_loss_came_back
 from logtriage.analysis.went_on import mark_went_on
 from logtriage.catalog.rule import Category, Role, Rule, Severity
 from logtriage.demux.streams import StreamKey, StreamKind
@@ -214,7 +215,8 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
                                 scan.block_checkpoint_frames.get(hit.block_id, ""), frame,
                                 scan.block_broadcast_sources.get(hit.block_id), frame_file,
                                 in_thread=hit.block_id in scan.block_threads))
-    findings = one_reading_per_event(mark_went_on(_without_source_echoes(findings)), scan)
+    findings = mark_loss_came_back(mark_went_on(_without_source_echoes(findings)), scan, keys)
+    findings = one_reading_per_event(findings, scan)
     return attribute_by_signal(findings, failures)
 
 
