@@ -27,3 +27,10 @@ def test_a_reset_outside_the_dataloader_stays_the_exception(tmp_path):
                            "mypkg/feeder.py", tmp_path)
     rc = report["root_cause"]
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("python.exception", "python_exception", 3)
+
+
+def test_the_dataloaders_own_word_in_the_handling_is_the_root():
+    # a transformers.Trainer run: the reset connection, then "During handling ..." the DataLoader's SIGCHLD handler
+    # raising `RuntimeError: DataLoader worker (pid 8734) is killed by signal: Killed.` (cpu_adhoc 562nd batch)
+    assert root_facts("larch_worker_crash_np4_r1_hf") == ("data.loader_worker_died", "crash_signal", 1, 71,
+                                                          "RuntimeError")

@@ -88,6 +88,12 @@ def _says_going_on(text: str) -> bool:
     return any(not _DENIED.search(text, 0, m.start()) for m in _GOING_ON.finditer(text))
 
 
+# a handler's error that says what the first exception was: the DataLoader's SIGCHLD handler raising
+# `DataLoader worker (pid N) is killed by signal: Killed.` while the main process's fetch of the worker's batch
+# had failed with a reset connection (cpu_adhoc 562nd batch)
+_SAYS_WHAT_THE_FIRST_WAS = frozenset({"data.loader_worker_died"})
+
+
 def _before_the_handler(findings: list[Finding], handling: dict[int, int], calls_failed: set[int]) -> list[Finding]:
     """In a traceback chained by "During handling of the above exception, another exception
     occurred", a library usually raises its own, plainer error about the first (a KeyError read as
@@ -107,7 +113,8 @@ def _before_the_handler(findings: list[Finding], handling: dict[int, int], calls
     after_a_lost_peer = {g.rule.id for block, found in first.items() if block in then
                          and all(f.role is Role.CASCADE_CANDIDATE for f in found) for g in then[block]}
     own = {block for block in first.keys() & then.keys()
-           if block in calls_failed or any(g.rule.id in after_a_lost_peer for g in then[block])}
+           if (block in calls_failed or any(g.rule.id in after_a_lost_peer for g in then[block]))
+           and not any(g.rule.id in _SAYS_WHAT_THE_FIRST_WAS for g in then[block])}
     if not own:
         return findings
     dropped = {id(g) for block in own for g in then[block]}
