@@ -27,8 +27,8 @@ from logtriage.analysis.hangs import (
     world_incomplete,
 )
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid, shared_gpu
-from logtriage.analysis.invalid_values import finite_invalid_values, own_loss_check
 from logtriage.analysis.interrupted_work import stopped_mid_work
+from logtriage.analysis.invalid_values import finite_invalid_values, own_loss_check
 from logtriage.analysis.lone_notice import hang_answered_alone, notice_ended_hang, stop_notices
 from logtriage.analysis.loss_outlier import loss_outlier_rank, shared_nan_then_one_check
 from logtriage.analysis.odd_start import odd_start_rank

@@ -16,10 +16,10 @@ from typing import Mapping
 from logtriage.analysis.childfailed import ChildFailure, signal_name
 from logtriage.analysis.clock_offsets import clock_offsets, on_reference_clock
 from logtriage.analysis.exception_names import CALLBACK_WRAPPED, exception_type_of, short_type, unglued
+from logtriage.analysis.loss_came_back import mark_loss_came_back
 from logtriage.analysis.record_stamps import record_stamps
 from logtriage.analysis.same_event import one_reading_per_event
 from logtriage.analysis.timestamps import Stamp
-from logtriage.analysis.loss_came_back import mark_loss_came_back
 from logtriage.analysis.went_on import mark_went_on
 from logtriage.catalog.rule import Category, Role, Rule, Severity
 from logtriage.demux.streams import StreamKey, StreamKind
