@@ -1,6 +1,7 @@
 """A `timeout` ends a hung Lightning job: Lightning's SIGTERM handler broadcasts the stop from inside whatever each
 rank was doing, fails, and prints where that was. The ranks that waited were inside a collective; the one that held
-them up was in its own code (cpu_adhoc batches 442 and 555, real runs on CPU with gloo)."""
+them up was in its own code (cpu_adhoc batch 555, a real run on CPU with gloo). Where bash's notice says `timeout`
+itself was killed, that time limit's reading stays (tests/test_timeout_killed_notice.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,6 @@ from sample_roots import SAMPLES, edited_report, verdict_and_root
 def test_the_rank_a_sigterm_found_in_its_own_code_kept_the_others_waiting():
     # rank 1 spun in pure Python (`felt = (felt * 31 + i) % 1000003` in step_body); ranks 0 and 2 were in all_gather
     assert verdict_and_root("yurts_hang_np3_r1_pltorchrun") == ("hung", "hang.stopped_while_waiting", "hang", 1)
-
-
-def test_a_rank_polling_for_a_lock_file_is_the_one_at_work():
-    # rank 1 slept between looks for a lock file (`time.sleep(0.5)` in pre_gather_fault); ranks 0, 2, 3 waited
-    assert verdict_and_root("tremor_hang_np4_r1_pltorchrun") == ("hung", "hang.stopped_while_waiting", "hang", 1)
 
 
 def test_two_ranks_at_work_name_no_rank(tmp_path):

@@ -122,7 +122,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
     if root is not None and root.rule.category is Category.EXTERNAL_STOP:
         root = finished_then_stopped(stop_after_task_failure(stop_for_memory(root, findings), findings),
                                      findings, catalog)
-        root = stopped_mid_work(scan, keys, stalled_before_stop(scan, root, findings, catalog), catalog)
+        root = stalled_before_stop(scan, root, findings, catalog)
         if root.rule.category is Category.EXTERNAL_STOP:
             root = heartbeats_before_stop(scan, keys, root, findings, catalog)
         root = stopped_in_startup(scan, keys, waiting_before_stop(scan, keys, root, findings, catalog), findings, facts,
@@ -133,6 +133,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = time_limit_ended_hang(scan, keys, root, findings)
         root = stopped_in_stride(scan, keys, root, findings, facts, catalog)
         root = notice_ended_hang(scan, root, findings, notices, facts, catalog)
+        root = stopped_mid_work(scan, keys, root, catalog)
     if root is not None:
         root = timer_reaped(waited_for_a_crash(refused_result_first(root, findings), findings), findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:
