@@ -17,18 +17,18 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from logtriage.analysis.findings import Finding
 from logtriage.analysis.refine import WAITING_FRAMES, stopped_while_waiting_rule
 from logtriage.analysis.roots import RootCause
-from logtriage.analysis.stopped import message_of
+from logtriage.analysis.stream_lines import stream_messages
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
+from logtriage.demux.frames import FRAME
 from logtriage.demux.streams import StreamKey, StreamKind
-from logtriage.ingest.lines import read_lines
 from logtriage.scan_result import ScanResult
 
 MAX_BLOCK_LINES = 400   # a traceback longer than this is read no further (its frames are not this shape)
 MAX_BLOCKS = 1024       # tracebacks read back at most (the reading is per line)
-_FRAME = re.compile(r'^File "(?P<file>[^"]+)", line \d+, in (?P<func>[\w<>.]+)')
 # a signal handler's frame: Lightning's connector, torchelastic's, a program's own `handler(signum, frame)`
 # (`signal_handler`, `_sigterm_handler`, `handle_sigterm`, `_sigterm_notifier_fn`; not any `*_handler`)
 _HANDLER = re.compile(r"signal_connector\.py$|^_?(?:signal|sig(?:term|int|usr\d)?)_?handler$|^_?sig(?:term|int)_\w+$|"
@@ -43,7 +43,7 @@ def stopped_mid_work(scan: ScanResult, keys: list[StreamKey], root: RootCause, c
     its own work: the hang that rank caused, which the stop ended."""
     if root.rule.category is not Category.EXTERNAL_STOP:
         return root
-    places = _interrupted_places(scan, keys)
+    places = _interrupted_places(scan, keys, root.finding)
     waiting = sorted(rank for rank, (kind, _) in places.items() if kind == "waiting")
     working = sorted(rank for rank, (kind, _) in places.items() if kind == "working")
     if not waiting or len(working) != 1:
@@ -58,38 +58,33 @@ def stopped_mid_work(scan: ScanResult, keys: list[StreamKey], root: RootCause, c
                        f"where rank {rank} kept the others waiting, and the stop ended that hang",))
 
 
-def _interrupted_places(scan: ScanResult, keys: list[StreamKey]) -> dict[int, tuple[str, str]]:
-    """{rank: ("waiting" or "working", the interrupted frame)} from the tracebacks a stop left."""
+def _interrupted_places(scan: ScanResult, keys: list[StreamKey], stop: Finding | None) -> dict[int, tuple[str, str]]:
+    """{rank: ("waiting" or "working", the interrupted frame)} from the tracebacks a stop left (none before the
+    stop's own line in its input)."""
     places: dict[int, tuple[str, str]] = {}
     read = 0
     for block_id, (source, first, last) in sorted(scan.blocks.items()):
         slot = scan.block_slots.get(block_id)
-        if scan.block_kinds.get(block_id) != "traceback" or slot is None or last - first > MAX_BLOCK_LINES:
+        if scan.block_kinds.get(block_id) != "traceback" or slot is None or last - first > MAX_BLOCK_LINES \
+                or (stop is not None and source == stop.source and first < stop.line):
             continue
-        final = scan.slots.final(slot)
-        stream = keys[final]
+        stream = keys[scan.slots.final(slot)]
         if stream.kind is not StreamKind.RANK or stream.rank in places:
             continue
         if read >= MAX_BLOCKS:
             break
         read += 1
-        place = _handler_caller(_frames(scan, source, first, last, final))
+        place = _handler_caller(_frames(scan, keys, stream, source, first, last))
         if place is not None:
             places[stream.rank] = place
     return places
 
 
-def _frames(scan: ScanResult, source: int, first: int, last: int, slot: int) -> list[tuple[str, str]]:
-    index = scan.indexes[source]
-    numbers = [n for n in range(first, last + 1)
-               if n - 1 < len(index.slots) and scan.slots.final(index.slots[n - 1]) == slot]
-    texts = read_lines(scan.sources[source], index, numbers)
-    frames = []
-    for number in numbers:
-        m = _FRAME.match(message_of(texts.get(number, "")))
-        if m:
-            frames.append((m.group("file"), m.group("func")))
-    return frames
+def _frames(scan: ScanResult, keys: list[StreamKey], stream: StreamKey, source: int, first: int,
+            last: int) -> list[tuple[str, str]]:
+    """(file, function) of each frame of the stream's traceback on those lines."""
+    frames = [FRAME.match(text) for _, text in stream_messages(scan, keys, stream, source, first, last)]
+    return [(m.group(2), m.group(3)) for m in frames if m]
 
 
 def _handler_caller(frames: list[tuple[str, str]]) -> tuple[str, str] | None:

@@ -14,9 +14,8 @@ import re
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from logtriage.demux.prefixes import Dialect, strip_prefixes
+from logtriage.analysis.stream_lines import stream_messages
 from logtriage.demux.streams import StreamKey
-from logtriage.ingest.lines import read_lines
 from logtriage.scan_result import ScanResult, step_number
 
 if TYPE_CHECKING:
@@ -67,12 +66,7 @@ def _came_back(ours: list["Finding"], scan: ScanResult, keys: list[StreamKey], s
 
 def _finite_loss_after(finding: "Finding", scan: ScanResult, keys: list[StreamKey], stream: StreamKey) -> int | None:
     step = step_number(finding.text)
-    index = scan.indexes[finding.source]
-    last = min(len(index.slots), finding.line + WINDOW)
-    numbers = [n for n in range(finding.line + 1, last + 1) if keys[scan.slots.final(index.slots[n - 1])] == stream]
-    texts = read_lines(scan.sources[finding.source], index, numbers)
-    for number in numbers:
-        text = strip_prefixes(texts.get(number, ""), Dialect()).text
+    for number, text in stream_messages(scan, keys, stream, finding.source, finding.line + 1, finding.line + WINDOW):
         later = step_number(text)
         if later is None or step is None or later <= step:
             continue   # (a buffered stdout printed after the error holds the earlier steps: no sign)
