@@ -152,7 +152,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = loss_outlier_rank(scan, keys, shared_nan_then_one_check(scan, keys, root, findings))
         root = own_loss_check(finite_invalid_values(scan, root, catalog), findings, catalog)
         root = watchdog_spared_rank(late_rank_went_on(scan, keys, root, findings), findings, facts)
-        root = came_late_to_the_collective(scan, keys, root, findings)
+        root = came_late_to_the_collective(scan, keys, root, findings, facts.last_step)
         root = store_wait_after_progress(root, findings, facts, first_progress(stream_stats), catalog)
         root = own_server_port_taken(root, findings, catalog)
         root = rank0_model_differs(root, findings, facts.known)

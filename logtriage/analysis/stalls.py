@@ -123,13 +123,14 @@ def _says_it_waits(scan: ScanResult, keys: list[StreamKey], source: int, end: in
 
 
 def came_late_to_the_collective(scan: ScanResult, keys: list[StreamKey], root: RootCause,
-                                findings: list[Finding]) -> RootCause:
+                                findings: list[Finding], steps: dict[int, int]) -> RootCause:
     """A collective timeout whose rank is unknown or one that timed out itself (a waiter): of the ranks that
     did not time out but lost their peers, the one that printed its own work between the first timeout's
     traceback and its own traceback was still at work when the others gave up (`at_work_after_the_timeouts`).
     Where several ranks never joined, the one of them whose last line before the first traceback says it went
     on to other work after its last step (`rank 1 filtering negatives against 96 known quadruples`), the
-    waiting ranks' last lines being that step's progress, was the one they waited for."""
+    waiting ranks' last lines being that step's progress, was the one they waited for. `steps`: each rank's
+    last step."""
     if root.finding is None or root.rule.category is not Category.COLLECTIVE_TIMEOUT:
         return root
     errors = [f for f in findings if f.is_error and f.rank is not None and f.block_id in scan.blocks]
@@ -145,6 +146,8 @@ def came_late_to_the_collective(scan: ScanResult, keys: list[StreamKey], root: R
             start = scan.blocks[f.block_id][1]
             lost[f.rank] = min(lost.get(f.rank, (f.source, start)), (f.source, start))
     rank = at_work_after_the_timeouts(scan, keys, began, lost)
+    if rank is not None and steps.get(rank, -1) > max((steps.get(r, -1) for r in timed_out), default=-1):
+        rank = None     # it had printed a later step than any waiting rank: past their collective, not late to it
     if rank is not None:
         why = (f"rank {rank} did not time out: it printed its own work after rank {first.rank}'s timeout began and "
                "only then lost its peers, so it was still at work when the others gave up waiting for it")

@@ -43,8 +43,8 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
     # a rank whose wait ended on a peer's closed connection was in the collective too, unless it
     # had stepped past the waiting ranks (it skipped their collective and failed in a later one)
     peer_closed = {f.rank for f in live if f.rank is not None and _lost_a_peer(f)}
-    waited_steps = [facts.last_step[r] for r in timed_out if r in facts.last_step]
-    ahead = {r for r in peer_closed if waited_steps and facts.last_step.get(r, -1) > max(waited_steps)}
+    waited_at = _waited_at_step(timed_out, facts)
+    ahead = {r for r in peer_closed if waited_at is not None and facts.last_step.get(r, -1) > waited_at}
     late = _arrived_after_the_waits(timeouts, timed_out, live, facts, peer_closed - ahead - timed_out)
     in_collective = timed_out | (peer_closed - ahead - late)
     hidden = unseen_ranks(facts)
@@ -99,7 +99,7 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
                    if only in ahead else "")
         return RootCause(first.rule, first, only, (only,), 0.65, (
             f"every rank but {only} timed out in a collective: rank {only} never joined it{went_on}",))
-    if len(waiters) == 1 and len(missing) >= 2 and not peer_closed and set(missing) <= facts.speaking:
+    if len(waiters) == 1 and len(missing) >= 2 and not peer_closed - ahead and set(missing) <= facts.speaking:
         # One rank waited alone; every other rank, each with output of its own in this log, was
         # somewhere else, all together (another collective, a group's creation, a branch this rank
         # skipped): the lone rank took the other path. One slow rank makes the opposite picture,
@@ -108,6 +108,14 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
         return RootCause(first.rule, first, lone, (lone,), 0.45, (
             f"rank {lone} is the only rank that timed out in this collective; ranks {ranges(missing, limit=8)} "
             f"were all elsewhere together, so rank {lone}'s code took a different path from theirs",))
+    if waiters and len(waiters) < len(missing) and waited_at == -1 and all(r in facts.last_step for r in missing):
+        # The waiting ranks printed no step at all; every other rank printed one and went on past
+        # (to lose its connection in a later call, or to be stopped by the agent): the waiting ranks
+        # were in a collective the others had already left behind, their code took another path.
+        return RootCause(first.rule, first, first.rank, tuple(waiters), 0.4, (
+            f"ranks {ranges(waiters, limit=8)} timed out in a collective before printing any step; ranks "
+            f"{ranges(missing, limit=8)} had each printed a step and gone on past it, so the waiting ranks' code "
+            f"took a different path (another collective, another size), rank {first.rank} first",))
     if missing:
         reasons = [f"ranks {ranges(missing, limit=8)} never joined the collective the others timed out in"]
         if 0 in missing:
@@ -171,6 +179,17 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
             "others waited for is likely among them",))
     return RootCause(first.rule, first, None, tuple(sorted(timed_out)), 0.35,
                      ("every rank timed out and nothing in the log tells them apart",))
+
+
+def _waited_at_step(timed_out: set[int], facts: RankFacts) -> int | None:
+    """The last step the timed-out ranks printed before their wait; -1 when none of them printed a step
+    while two or more other ranks did (they timed out in their first step's collective); None when the log
+    says nothing of steps."""
+    steps = [facts.last_step[r] for r in timed_out if r in facts.last_step]
+    if steps:
+        return max(steps)
+    stepped = set(facts.last_step) - timed_out
+    return -1 if timed_out and timed_out <= facts.speaking and len(stepped) >= 2 else None
 
 
 def unseen_ranks(facts: RankFacts) -> frozenset[int]:

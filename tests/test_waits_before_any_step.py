@@ -1,0 +1,60 @@
+"""Readings the 564th-571st batches of real CPU runs (torch 2.13, sample_logs/cpu_adhoc, labelled before triage ran)
+asked for: ranks that timed out before printing any step while every other rank printed one and went past were in a
+collective the others had left behind (Lightning runs whose metric all_reduce had another size on one rank); a rank
+that had printed a later step than the waiting ranks was not late to their collective; c10d's `Operation timed out!`
+from `work.wait(timeout=...)` is a collective timeout; and a clean run's last line `rank 0 wrote ... export` ends it."""
+
+from __future__ import annotations
+
+from sample_roots import edited_report, root_facts, sample_report
+
+
+def test_the_one_rank_that_timed_out_before_any_step_took_another_path():
+    # Fabric under torchrun, 4 ranks: rank 3's metric all_reduce had 7 elements, the others' 4. Ranks 0-2 printed
+    # step 0 and went on, rank 3 timed out in gloo's recv, then ranks 1 and 2 lost their connections to it
+    rule, category, rank, line, exception = root_facts("basalt_allreduce_size_np4_r3_plfabric")
+    assert (rule, category, rank, line, exception) == ("gloo.timeout", "collective_timeout", 3, 26, "RuntimeError")
+
+
+def test_two_ranks_that_timed_out_before_any_step_name_the_first_of_them():
+    # Lightning under torchrun, 6 ranks: ranks 2 and 3 timed out sending, ranks 0, 1, 4 and 5 had printed step 0;
+    # rank 5's `[rank: 5] Received SIGTERM: 15` after rank 2's timeout is the agent's teardown, not late work
+    report = sample_report("basalt_allreduce_size_np6_r2_pltorchrun")
+    rc = report["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["ranks"]) == ("gloo.timeout", 2, [2, 3])
+    assert "before printing any step" in " ".join(rc["reasons"])
+
+
+def test_with_a_step_printed_by_the_waiters_the_others_are_not_past_them(tmp_path):
+    # the same run had ranks 2 and 3 printed step 0 too: nothing sets the waiting ranks apart from the rest any more
+    both = "rank 2 step 0 loss 0.5500 hexfrac 0.083\nrank 3 step 0 loss 0.5400 hexfrac 0.083\nrank 0 step 0 loss"
+    report = edited_report("basalt_allreduce_size_np6_r2_pltorchrun", "rank 0 step 0 loss", both, tmp_path)
+    assert "before printing any step" not in " ".join(report["root_cause"]["reasons"])
+    assert report["root_cause"]["category"] == "collective_timeout"
+
+
+def test_a_rank_that_printed_the_waiters_step_and_then_the_agents_sigterm_was_late():
+    # Lightning under LOGLEVEL=INFO torchrun, 3 ranks: rank 2 spent 40 s in pure Python after step 1; rank 1 timed
+    # out, rank 0 lost the connection; rank 2, at the same step as rank 1, was still at work when the agent stopped it
+    assert root_facts("weir_slow_np3_r2_plloglevel")[:3] == ("gloo.timeout", "collective_timeout", 2)
+
+
+def test_c10d_work_wait_timeout_is_a_collective_timeout_and_the_slow_rank_is_named():
+    # Lightning under LOGLEVEL=INFO torchrun, 4 ranks: after step 2 rank 2 is busy for ~45 s; ranks 0, 1 and 3 raise
+    # `RuntimeError: Operation timed out!` from w.wait(timeout=...), rank 2 prints step 3 and then loses its peers
+    rule, category, rank, line, exception = root_facts("ochre_slow_np4_r2_plloglevel")
+    assert (rule, category, rank, line, exception) == (
+        "dist.work_wait_timeout", "collective_timeout", 2, 179, "RuntimeError")
+
+
+def test_the_same_wait_on_six_ranks():
+    assert root_facts("ochre_slow_np6_r1_pltorchrun")[:3] == ("dist.work_wait_timeout", "collective_timeout", 1)
+
+
+def test_a_clean_run_whose_last_line_says_it_wrote_its_export_is_ok(tmp_path):
+    # accelerate launch, 3 ranks, the clean control: `rank 0 wrote till classifier export` ends the log
+    assert sample_report("moraine_none_np3_rnone_acc")["verdict"] == "ok"
+    assert sample_report("moraine_none_np3_rnone_hf")["verdict"] == "ok"
+    report = edited_report("moraine_none_np3_rnone_acc", "rank 0 wrote till classifier export",
+                           "rank 0 writing till classifier export", tmp_path)
+    assert (report["verdict"], report["root_cause"]["rule_id"]) == ("hung", "hang.output_stopped")
