@@ -44,7 +44,9 @@ def test_nested_quantifier_rule_on_a_100kb_line_of_a_takes_seconds_not_forever(t
     started = time.perf_counter()
     report = run_triage([str(log)], options).report
     elapsed = time.perf_counter() - started
-    assert elapsed < 3.0, elapsed   # RE2: linear; a backtracking engine would not end (a loaded machine: ~1.5 s)
+    # RE2: linear, under a second here; a backtracking engine would not end. The bound only tells "ends" from
+    # "never ends": a machine loaded by other work has taken 16 s for the whole run, start-up included
+    assert elapsed < 120.0, elapsed
     hit = next(f for f in report.findings if f.rule_id == "user.nested")
     assert (hit.rank, hit.line) == (1, 2)
 

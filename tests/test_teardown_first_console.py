@@ -55,3 +55,20 @@ def test_a_filter_console_cut_after_step_0_leaves_an_exit_code(tmp_path):
     log = tmp_path / "paste.log"
     log.write_text("".join(lines[5:]))   # a paste from rank 0's step 1 on
     assert _root(log) == ("signal.exit_nonzero", "unknown", 5)
+
+
+TEED = SAMPLE.parent / "gannet_missing_shard_np6_r4_filter.log"
+
+
+def test_a_filter_console_whose_shown_ranks_open_alike_held_the_whole_run():
+    # `--tee 3 --local-ranks-filter 0,1`, 6 ranks, no banner and no step: ranks 1 and 0 each open with the line every
+    # rank prints (`rank 1/6 gannet dive trainer up`), and rank 4, whose shard was missing, has none of it
+    assert _root(TEED) == ("python.exit_one_output_elsewhere", "python_exception", 4)
+
+
+def test_shown_ranks_opening_unalike_leave_an_exit_code(tmp_path):
+    text = TEED.read_text()
+    assert text.startswith("[default1]:rank 1/6 gannet dive trainer up")
+    log = tmp_path / "paste.log"
+    log.write_text(text.replace("[default1]:rank 1/6 gannet dive trainer up", "[default1]:rank 1 reading colony table", 1))
+    assert _root(log) == ("signal.exit_nonzero", "unknown", 4)

@@ -1,12 +1,14 @@
-"""Readings the 564th-571st batches of real CPU runs (torch 2.13, sample_logs/cpu_adhoc, labelled before triage ran)
+"""Readings the 564th-579th batches of real CPU runs (torch 2.13, sample_logs/cpu_adhoc, labelled before triage ran)
 asked for: ranks that timed out before printing any step while every other rank printed one and went past were in a
 collective the others had left behind (Lightning runs whose metric all_reduce had another size on one rank); a rank
 that had printed a later step than the waiting ranks was not late to their collective; c10d's `Operation timed out!`
-from `work.wait(timeout=...)` is a collective timeout; and a clean run's last line `rank 0 wrote ... export` ends it."""
+from `work.wait(timeout=...)` is a collective timeout; a clean run's last line `rank 0 wrote ... export` ends it; a
+few ranks waiting in another call of the same collective (told apart by the program's line) are named together; and
+waits an outside stop ended on every rank but one name that one, which had not reached the collective."""
 
 from __future__ import annotations
 
-from sample_roots import edited_report, root_facts, sample_report
+from sample_roots import edited_report, root_facts, sample_report, verdict_and_root
 
 
 def test_the_one_rank_that_timed_out_before_any_step_took_another_path():
@@ -58,3 +60,38 @@ def test_a_clean_run_whose_last_line_says_it_wrote_its_export_is_ok(tmp_path):
     report = edited_report("moraine_none_np3_rnone_acc", "rank 0 wrote till classifier export",
                            "rank 0 writing till classifier export", tmp_path)
     assert (report["verdict"], report["root_cause"]["rule_id"]) == ("hung", "hang.output_stopped")
+
+
+def test_two_ranks_in_another_call_of_the_same_collective_are_named_together():
+    # torchrun, 6 ranks: rank 2's metric all_reduce (called at line 148) had 7 elements where the others sent 4;
+    # ranks 2 and 3 timed out in that call, ranks 1, 4 and 5 in the gradient all_reduce called at line 141 (rank 0
+    # lost its connection there): the report names ranks 2-3, and no one of them, since their timeouts end alike
+    rc = sample_report("shrike_wrong_size_np6_r2_plain")["root_cause"]
+    assert (rc["rule_id"], rc["rank"], rc["ranks"]) == ("gloo.timeout", None, [2, 3])
+    assert "all_reduce at fault576.py:148" in " ".join(rc["reasons"])
+
+
+def test_the_call_site_of_a_collective_is_the_last_frame_outside_torch(tmp_path):
+    # the same traceback with rank 3's call moved to line 141: every rank then waited in one call, and the report
+    # no longer sets ranks 2-3 apart as the ones in another call
+    report = edited_report("shrike_wrong_size_np6_r2_plain",
+                           '[rank3]:   File "/work/main/sample_logs/cpu_adhoc/fault576.py", line 148, in main',
+                           '[rank3]:   File "/work/main/sample_logs/cpu_adhoc/fault576.py", line 141, in main', tmp_path)
+    assert report["root_cause"]["ranks"] != [2, 3]
+
+
+def test_waits_a_stop_ended_name_the_rank_that_had_not_reached_the_collective():
+    # Lightning under torchrun, 3 ranks, process-group timeout 300 s: rank 2 stalled after step 2; `timeout` sent
+    # SIGTERM a minute in, and after it ranks 0 and 1 report their all_gather's 300000 ms wait as timed out while
+    # rank 2 only lost its peers: the stop ended the hang rank 2 caused
+    assert verdict_and_root("sorrel_hang_np3_r2_pltorchrun") == ("hung", "hang.stopped_while_waiting", "hang", 2)
+
+
+def test_a_stop_with_no_rank_left_waiting_stays_a_stop(tmp_path):
+    # the same run had rank 2 timed out too: no rank stands apart, the stop is the report
+    report = edited_report("sorrel_hang_np3_r2_pltorchrun",
+                           "[rank2]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+                           "Connection closed by peer [127.0.0.1]:2978.",
+                           "[rank2]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+                           "unbound_buffer.cc:78] Timed out waiting 300000ms for recv operation to complete.", tmp_path)
+    assert (report["verdict"], report["root_cause"]["rule_id"]) == ("failed", "launcher.signal_exception")

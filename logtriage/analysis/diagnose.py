@@ -27,7 +27,7 @@ from logtriage.analysis.hangs import (
     world_incomplete,
 )
 from logtriage.analysis.nccl_ranks import attribute_by_nccl_pid, shared_gpu
-from logtriage.analysis.interrupted_work import stopped_mid_work
+from logtriage.analysis.interrupted_work import stopped_mid_work, waits_the_stop_ended
 from logtriage.analysis.invalid_values import finite_invalid_values, own_loss_check
 from logtriage.analysis.lone_notice import hang_answered_alone, notice_ended_hang, stop_notices
 from logtriage.analysis.loss_outlier import loss_outlier_rank, shared_nan_then_one_check
@@ -133,7 +133,7 @@ def diagnose(scan: ScanResult, catalog: Catalog) -> Diagnosis:
         root = time_limit_ended_hang(scan, keys, root, findings)
         root = stopped_in_stride(scan, keys, root, findings, facts, catalog)
         root = notice_ended_hang(scan, root, findings, notices, facts, catalog)
-        root = stopped_mid_work(scan, keys, root, catalog)
+        root = waits_the_stop_ended(stopped_mid_work(scan, keys, root, catalog), findings, facts.known, catalog)
     if root is not None:
         root = timer_reaped(waited_for_a_crash(refused_result_first(root, findings), findings), findings)
     if root is not None and root.rule.id == "signal.sigkill" and not scan.cpu_backend:

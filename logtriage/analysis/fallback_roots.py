@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from logtriage.analysis.childfailed import ChildFailure, is_own_failure
-from logtriage.analysis.findings import Finding
+from logtriage.analysis.findings import Finding, mask_numbers
 from logtriage.analysis.hangs import fallback_rule
 from logtriage.analysis.roots import RootCause
 from logtriage.analysis.signal_readings import exit_rule
@@ -45,7 +45,8 @@ def exit_one_output_elsewhere(root: RootCause, scan: ScanResult, stream_stats: d
     if root.rule.id != exit_rule(catalog).id or root.rank is None:
         return root
     codes = {f.exitcode for f in failures if f.rank == root.rank}
-    if codes != {1} or not (_whole_console(scan.launcher_lines) or _from_the_first_step(scan, stream_stats)):
+    if codes != {1} or not (_whole_console(scan.launcher_lines) or _from_the_first_step(scan, stream_stats)
+                            or _others_opened_alike(scan, stream_stats, root.rank)):
         return root
     if any(stats.lines for key, stats in stream_stats.items() if key.kind not in _AGENT_KINDS
            and (key.kind is not StreamKind.RANK or key.rank == root.rank)):
@@ -79,6 +80,26 @@ def _from_the_first_step(scan: ScanResult, stream_stats: dict[StreamKey, SlotSta
         text = read_lines(scan.sources[source], scan.indexes[source], [number]).get(number, "")
         return step_number(message_of(text)) == 0
     return False
+
+
+def _others_opened_alike(scan: ScanResult, stream_stats: dict[StreamKey, SlotStats], rank: int) -> bool:
+    """Two or more other ranks' labelled output opens with the same line but for its numbers (`[default0]:rank
+    0/6 gannet dive trainer up`, `[default1]:rank 1/6 ...`), a start-up line every rank prints once, and the
+    failed rank has none of it: its output was filtered out (`--local-ranks-filter 0,1`), not cut from a paste
+    that would have lost the others' opening lines too (cpu_adhoc 572nd batch). Progress lines do not count: a
+    paste may begin at any step."""
+    opened: list[str] = []
+    for key, stats in stream_stats.items():
+        if key.kind is not StreamKind.RANK or stats.first_line is None:
+            continue
+        if key.rank == rank:
+            return False
+        source, number = stats.first_line
+        message = message_of(read_lines(scan.sources[source], scan.indexes[source], [number]).get(number, ""))
+        if step_number(message) is not None:
+            return False    # progress: a paste may begin at any step, after the failed rank's traceback
+        opened.append(mask_numbers(message).strip())
+    return len(opened) >= 2 and len(set(opened)) == 1 and bool(opened[0])
 
 
 def unrecognised_exception(scan: ScanResult, keys: list[StreamKey], catalog: Catalog,

@@ -95,6 +95,7 @@ class Finding:
     last_file: str = ""               # the file of last_frame (`.../site-packages/flash_attn/...`)
     went_on: bool = False             # the program said it went on from this (went_on.py)
     in_thread: bool = False           # that traceback is a thread's, printed as the thread died
+    collective_site: str = ""         # the frame that called that collective (`train.py:148`)
 
     @property
     def role(self) -> Role:
@@ -206,15 +207,16 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
         stamp = on_reference_clock(stamp, rank, offsets)
         frame, frame_file = _innermost_frame(scan, hit)
         collective = scan.block_collectives.get(hit.block_id, "")
+        site = scan.block_collective_sites.get(hit.block_id, "")
         error_file = error_files.get((hit.source, hit.line))
         if error_file is not None:
-            collective, frame = error_file.collective, error_file.last_frame
+            collective, frame, site = error_file.collective, error_file.last_frame, ""
         findings.append(Finding(hit.rule, hit.captures, hit.source, hit.line, stream, rank, hit.text,
                                 hit.block_id, hit.seq, stamp, how, scan.block_exceptions.get(hit.block_id, ""),
                                 collective,
                                 scan.block_checkpoint_frames.get(hit.block_id, ""), frame,
                                 scan.block_broadcast_sources.get(hit.block_id), frame_file,
-                                in_thread=hit.block_id in scan.block_threads))
+                                in_thread=hit.block_id in scan.block_threads, collective_site=site))
     findings = mark_loss_came_back(mark_went_on(_without_source_echoes(findings)), scan, keys)
     findings = one_reading_per_event(findings, scan)
     return attribute_by_signal(findings, failures)

@@ -22,7 +22,7 @@ from logtriage.analysis.refine import WAITING_FRAMES, stopped_while_waiting_rule
 from logtriage.analysis.roots import RootCause
 from logtriage.analysis.stream_lines import stream_messages
 from logtriage.catalog.loader import Catalog
-from logtriage.catalog.rule import Category
+from logtriage.catalog.rule import Category, Role
 from logtriage.demux.frames import FRAME
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.scan_result import ScanResult
@@ -56,6 +56,33 @@ def stopped_mid_work(scan: ScanResult, keys: list[StreamKey], root: RootCause, c
                        f"the stop interrupted rank {rank} in its own code ({where}) while rank"
                        f"{'s' if len(waiting) > 1 else ''} {listed} waited inside a collective: the job hung "
                        f"where rank {rank} kept the others waiting, and the stop ended that hang",))
+
+
+def waits_the_stop_ended(root: RootCause, findings: list[Finding], known: frozenset[int],
+                         catalog: Catalog) -> RootCause:
+    """An external stop after which every rank but one reports its collective wait ended in a timeout, and that one
+    only lost its peers (their connections closed as they died): the waiting ranks were inside the collective when
+    the stop came (a 300 s process-group timeout reported at a stop a minute into the run), the other had not
+    reached it. The stop ended a hang that rank caused (cpu_adhoc 579th batch: Lightning's SIGTERM handler lets
+    each rank's wait end with an error). A healthy job stopped from outside is in step: no rank's wait is left."""
+    if root.rule.category is not Category.EXTERNAL_STOP or root.finding is None:
+        return root
+    stop = root.finding
+    after = [f for f in findings if f.is_error and not f.is_teardown and f.rank is not None
+             and f.source == stop.source and f.line > stop.line]
+    waited = {f.rank for f in after if f.category is Category.COLLECTIVE_TIMEOUT}
+    lost = {f.rank for f in after if f.role is Role.CASCADE_CANDIDATE and f.category is Category.COLLECTIVE_ERROR}
+    others = {f.rank for f in after} - waited - lost
+    if not waited or len(lost - waited) != 1 or others or waited | lost != set(known) or len(known) < 2:
+        return root
+    rank = next(iter(lost - waited))
+    listed = ", ".join(str(r) for r in sorted(waited))
+    return replace(root, rule=stopped_while_waiting_rule(catalog), rank=rank, ranks=(rank,),
+                   confidence=min(root.confidence, 0.45), reasons=root.reasons + (
+                       f"after the stop, rank{'s' if len(waited) > 1 else ''} {listed} reported a collective wait "
+                       f"that ended in a timeout (they were inside it when the stop came) and rank {rank} only lost "
+                       "its peers as they died: it had not reached the collective, the others had hung waiting for "
+                       "it, and the stop ended that hang",))
 
 
 def _interrupted_places(scan: ScanResult, keys: list[StreamKey], stop: Finding | None) -> dict[int, tuple[str, str]]:

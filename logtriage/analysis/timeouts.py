@@ -6,6 +6,8 @@ source of the broadcast the others waited to receive."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.lost_peers import link_failed_first, still_working, waited_elsewhere
 from logtriage.analysis.rank_evidence import odd_one_out
@@ -158,6 +160,15 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
             f"every rank timed out; rank {behind} was behind the others (lowest last step)" if behind in facts.last_step
             else f"ranks {ranges(sorted(timed_out), limit=8)} timed out; rank {behind} never printed a step line, "
                  "which every other rank did: it was behind them all",))
+    few = _few_in_another_collective(timeouts + closed_in if enough else timeouts)
+    if few is not None:
+        # which of the few went first is not in the log (their timeouts end alike); the readings after this
+        # one (a start-up line of its own, work after the others' last step) may name one of them
+        ranks, place, others = few
+        return RootCause(first.rule, first, None, tuple(ranks), 0.35, (
+            f"ranks {ranges(ranks, limit=8)} waited in `{place}` and all the others in `{others}`: the code of "
+            "one of them took a different path (uneven data, a rank-specific branch, another tensor size), and "
+            "its partners in that call waited with it",))
     lone = waited_elsewhere(live, timeouts, peer_closed - timed_out) if not missing else None
     if lone is not None:
         # every rank is accounted for, and all but one timed out; that one's wait, in another
@@ -245,6 +256,22 @@ def _odd_collective(timeouts: list[Finding]) -> tuple[int, str, str] | None:
         return None
     place = by_rank[rank]
     return rank, place, next(name for name in by_rank.values() if name != place)
+
+
+def _few_in_another_collective(waits: list[Finding]) -> tuple[list[int], str, str] | None:
+    """Every rank waited, in one of two collective calls told apart by the line of the program that made them:
+    two or more ranks in one, a larger group of three or more in the other (a metric all_reduce called at line
+    148 against the gradient all_reduce at line 141, cpu_adhoc 576th batch): the smaller group's code took the
+    different path, as `_odd_collective`'s odd rank out does alone."""
+    by_rank = {f.rank: f"{f.collective} at {f.collective_site}" for f in waits
+               if f.rank is not None and f.collective and f.collective_site}
+    counts = Counter(by_rank.values())
+    if len(counts) != 2 or len(by_rank) < len({f.rank for f in waits if f.rank is not None}):
+        return None
+    (common, many), (place, few) = counts.most_common()
+    if few < 2 or many < 3 or few >= many:
+        return None
+    return sorted(r for r, value in by_rank.items() if value == place), place, common
 
 
 def _left_the_loop(timeouts: list[Finding]) -> tuple[int, str, str] | None:

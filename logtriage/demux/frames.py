@@ -40,6 +40,7 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
         m = COLLECTIVE_FRAME.search(text)
         if m:
             state["collective"] = m.group(1)
+            state.setdefault("collective_site", state.get("caller", ""))
     if "cause_frame" not in state and B.CHAIN.match(text):
         # "During handling of the above exception": the first exception's own innermost frame
         state["cause_frame"] = state.get("last_frame", "")
@@ -74,6 +75,9 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
                 # callbacks as the interpreter exits (printed, then the exit goes on with its code)
                 state["outermost"] = frame.group(3)
             state["last_file"], state["last_frame"] = frame.group(2), frame.group(3)
+            if "/torch/" not in frame.group(2):
+                line = _FRAME_LINE.search(text)
+                state["caller"] = f"{frame.group(2).rsplit('/', 1)[-1]}:{line.group(1) if line else ''}"
         if "checkpoint" not in state and not ACTIVATION_CHECKPOINT.search(text):
             m = CHECKPOINT_FRAME.search(text)
             if m:
@@ -92,6 +96,8 @@ _CHECKPOINT_CALL = re.compile(r"\btorch\.(?:load|save)\b|\.load_state_dict\(")
 _NOT_A_RAISE = re.compile(r"^(?!raise\b|assert\b|[~^\s]*$)\S")
 
 
+# a frame line's line number
+_FRAME_LINE = re.compile(r'", line (\d+), in ')
 # a caret row: Python 3.11's markers under the part of a source line that raised
 _CARETS = re.compile(r"^\s*[~^]+\s*$")
 
@@ -109,6 +115,7 @@ class TracebackFacts:
     """Per closed traceback block (by block id): what its lines said."""
     exceptions: dict[int, str] = field(default_factory=dict)          # its exception line
     collectives: dict[int, str] = field(default_factory=dict)         # the c10d function it was in
+    collective_sites: dict[int, str] = field(default_factory=dict)    # the frame that called it (`train.py:148`)
     checkpoint_frames: dict[int, str] = field(default_factory=dict)   # a checkpoint frame
     last_frames: dict[int, str] = field(default_factory=dict)         # its innermost function
     last_files: dict[int, str] = field(default_factory=dict)          # that function's file
@@ -128,6 +135,8 @@ class TracebackFacts:
             self.exceptions[block_id] = state["exception"]
         if state.get("collective"):
             self.collectives[block_id] = state["collective"]
+            if state.get("collective_site"):
+                self.collective_sites[block_id] = state["collective_site"]
         if state.get("checkpoint") and not _load_never_ran(state):
             self.checkpoint_frames[block_id] = state["checkpoint"]
         if state.get("last_frame"):
