@@ -110,14 +110,18 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
         return RootCause(first.rule, first, lone, (lone,), 0.45, (
             f"rank {lone} is the only rank that timed out in this collective; ranks {ranges(missing, limit=8)} "
             f"were all elsewhere together, so rank {lone}'s code took a different path from theirs",))
-    if waiters and len(waiters) < len(missing) and waited_at == -1 and all(r in facts.last_step for r in missing):
-        # The waiting ranks printed no step at all; every other rank printed one and went on past
-        # (to lose its connection in a later call, or to be stopped by the agent): the waiting ranks
-        # were in a collective the others had already left behind, their code took another path.
-        return RootCause(first.rule, first, first.rank, tuple(waiters), 0.4, (
-            f"ranks {ranges(waiters, limit=8)} timed out in a collective before printing any step; ranks "
-            f"{ranges(missing, limit=8)} had each printed a step and gone on past it, so the waiting ranks' code "
-            f"took a different path (another collective, another size), rank {first.rank} first",))
+    if waiters and len(waiters) <= len(missing) and waited_at is not None and all(
+            facts.last_step.get(r, -1) > waited_at for r in missing):
+        # Every rank missing from the wait had printed a later step than the waiting ranks' last (or any
+        # step, where they printed none) and gone on past (to lose its connection in a later call, or to
+        # be stopped by the agent): the waiting ranks were in a collective the others had already left
+        # behind, their code took another path. Which of several waiters took it is not in the log (their
+        # timeouts end alike): the readings after this one (a start-up line of its own) may name one.
+        at = "before printing any step" if waited_at < 0 else f"after step {waited_at}"
+        return RootCause(first.rule, first, waiters[0] if len(waiters) == 1 else None, tuple(waiters), 0.4, (
+            f"ranks {ranges(waiters, limit=8)} timed out in a collective {at}; ranks {ranges(missing, limit=8)} "
+            "had each printed a later step and gone on past it, so the code of one of the waiting ranks took a "
+            "different path (another collective, another size)",))
     if missing:
         reasons = [f"ranks {ranges(missing, limit=8)} never joined the collective the others timed out in"]
         if 0 in missing:

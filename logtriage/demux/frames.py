@@ -75,9 +75,9 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
                 # callbacks as the interpreter exits (printed, then the exit goes on with its code)
                 state["outermost"] = frame.group(3)
             state["last_file"], state["last_frame"] = frame.group(2), frame.group(3)
-            if "/torch/" not in frame.group(2):
+            if not _TORCH_FILE.search(frame.group(2)):
                 line = _FRAME_LINE.search(text)
-                state["caller"] = f"{frame.group(2).rsplit('/', 1)[-1]}:{line.group(1) if line else ''}"
+                state["caller"] = f"{_BASENAME.search(frame.group(2)).group(0)}:{line.group(1) if line else ''}"
         if "checkpoint" not in state and not ACTIVATION_CHECKPOINT.search(text):
             m = CHECKPOINT_FRAME.search(text)
             if m:
@@ -96,8 +96,10 @@ _CHECKPOINT_CALL = re.compile(r"\btorch\.(?:load|save)\b|\.load_state_dict\(")
 _NOT_A_RAISE = re.compile(r"^(?!raise\b|assert\b|[~^\s]*$)\S")
 
 
-# a frame line's line number
+# a frame line's line number; a file of torch's own (POSIX or Windows paths); a path's last part
 _FRAME_LINE = re.compile(r'", line (\d+), in ')
+_TORCH_FILE = re.compile(r"[/\\]torch[/\\]")
+_BASENAME = re.compile(r"[^/\\]*$")
 # a caret row: Python 3.11's markers under the part of a source line that raised
 _CARETS = re.compile(r"^\s*[~^]+\s*$")
 
