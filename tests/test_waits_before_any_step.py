@@ -112,3 +112,12 @@ def test_a_clean_run_whose_last_line_says_it_exported_its_model_is_ok(tmp_path):
     report = edited_report("wombat_none_np4_rnone_tee", "rank 0 exported burrow model", "rank 0 exporting burrow model",
                            tmp_path)
     assert report["verdict"] == "hung"
+
+
+def test_a_clean_run_whose_last_line_says_it_finished_its_classifier_is_ok(tmp_path):
+    # a transformers.Trainer run under accelerate launch, 3 ranks, the clean control: the Trainer's own records,
+    # then `rank 0 finished chamber classifier`
+    assert sample_report("nautilus_none_np3_rnone_hfacc")["verdict"] == "ok"
+    report = edited_report("nautilus_none_np3_rnone_hfacc", "rank 0 finished chamber classifier",
+                           "rank 0 finished chamber classifier warmup, waiting", tmp_path)
+    assert report["verdict"] == "hung"

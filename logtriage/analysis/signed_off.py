@@ -16,8 +16,8 @@ from logtriage.scan_result import step_number
 # 1.4187`, `finished, final loss 1.37`, `done, best f1 0.7222`, `done samples 256`, `done 8 steps 0.41 loss`:
 # only counts and their names to the line's end; a name of up to three words, a value with a sign: `done: 5
 # updates, mean return -0.300`, `done: precision 1.000 recall 0.379, 11 windows flagged on 3 machines`); not one
-# that goes on to wait (`done, waiting for the report`); or that it finished its run (`rank 0 finished quill stroke
-# trainer run`, `finished training`: cpu_adhoc 522nd batch)
+# that goes on to wait (`done, waiting for the report`); or that it finished its run or its model (`rank 0 finished
+# quill stroke trainer run`, `finished training`, `rank 0 finished chamber classifier`: cpu_adhoc 522nd, 586th batches)
 _COUNT = r"(?:[a-z_]+(?:\s+[a-z_]+){0,2}\s*[=:]?\s*[-+]?\d[\d.,]*|\d[\d.,]*\s+[a-z_]+(?:\s+[a-z_]+){0,2})"
 SIGNED_OFF = re.compile(r"\b(?:done|finished|completed?|exiting)[.!]?\s*$|\b(?:done|finished|completed?)[:,]\s+"
                         r"(?:\d+\s+(?:steps?|epochs?|iterations?|iters?|batches)\b|(?:final|mean|avg|average|last|best)"
@@ -25,7 +25,7 @@ SIGNED_OFF = re.compile(r"\b(?:done|finished|completed?|exiting)[.!]?\s*$|\b(?:d
                         rf"|\b(?:done|finished|completed?)[:,]?\s+(?!.*\b(?:wait\w*|retr\w*|error|fail\w*|timed? ?out|stuck)\b)"
                         rf"{_COUNT}(?:[,;]?\s+{_COUNT})*[.]?\s*$"
                         r"|\b(?:finished|completed)\s+(?:(?:the|its|a)\s+)?(?:[a-z][\w-]*\s+){0,4}"
-                        r"(?:run|training|job)[.!]?\s*$",
+                        r"(?:run|training|job|model|classifier|regressor|network)[.!]?\s*$",
                         re.IGNORECASE)
 # a line that sums a finished run up (`final val_loss 0.2204`, `best acc 0.91`), and says nothing of errors
 _SUMMED_UP = re.compile(r"^(?!.*\b(?:error|fail\w*|warn\w*|wait\w*|timed? ?out)\b).*\b(?:final|total|best|summary)\b",
