@@ -8,7 +8,10 @@ waits an outside stop ended on every rank but one name that one, which had not r
 
 from __future__ import annotations
 
-from sample_roots import edited_report, root_facts, sample_report, verdict_and_root
+import pytest
+from sample_roots import SAMPLES, edited_report, root_facts, sample_report, verdict_and_root
+
+from logtriage.api import TriageOptions, run_triage
 
 
 def test_the_one_rank_that_timed_out_before_any_step_took_another_path():
@@ -32,8 +35,9 @@ def test_with_a_step_printed_by_the_waiters_the_others_are_not_past_them(tmp_pat
     # the same run had ranks 2 and 3 printed step 0 too: nothing sets the waiting ranks apart from the rest any more
     both = "rank 2 step 0 loss 0.5500 hexfrac 0.083\nrank 3 step 0 loss 0.5400 hexfrac 0.083\nrank 0 step 0 loss"
     report = edited_report("basalt_allreduce_size_np6_r2_pltorchrun", "rank 0 step 0 loss", both, tmp_path)
-    assert "before printing any step" not in " ".join(report["root_cause"]["reasons"])
-    assert report["root_cause"]["category"] == "collective_timeout"
+    rc = report["root_cause"]
+    assert "before printing any step" not in " ".join(rc["reasons"])
+    assert (rc["category"], rc["rule_id"]) == ("collective_timeout", "gloo.timeout") and rc["ranks"] != [2, 3]
 
 
 def test_a_rank_that_printed_the_waiters_step_and_then_the_agents_sigterm_was_late():
@@ -72,13 +76,26 @@ def test_two_ranks_in_another_call_of_the_same_collective_are_named_together():
     assert "all_reduce at fault576.py:148" in " ".join(rc["reasons"])
 
 
-def test_the_call_site_of_a_collective_is_the_last_frame_outside_torch(tmp_path):
-    # the same traceback with rank 3's call moved to line 141: every rank then waited in one call, and the report
-    # no longer sets ranks 2-3 apart as the ones in another call
+@pytest.mark.parametrize("engine", ["exact", "fast"])
+def test_the_call_site_of_a_collective_is_the_last_frame_outside_torch(engine):
+    # each traceback runs main() -> dist.all_reduce -> c10d_logger's wrapper -> distributed_c10d: the site is the
+    # program's own frame, not torch's wrapper, and the exact and fast scans record the same
+    run = run_triage([str(SAMPLES / "shrike_wrong_size_np6_r2_plain.log")], TriageOptions(engine=engine))
+    sites = {run.diagnosis.keys[run.scan.slots.final(run.scan.block_slots[block])].rank: site
+             for block, site in run.scan.block_collective_sites.items()}
+    assert sites == {0: "fault576.py:141", 1: "fault576.py:141", 2: "fault576.py:148", 3: "fault576.py:148",
+                     4: "fault576.py:141", 5: "fault576.py:141"}
+
+
+def test_one_rank_alone_in_another_call_is_no_group(tmp_path):
+    # the same log with rank 3's call moved to line 141: rank 2 alone waited at line 148, which the group reading
+    # leaves to the odd-one-out readings (and those compare the collective's name, the same all_reduce for all)
     report = edited_report("shrike_wrong_size_np6_r2_plain",
                            '[rank3]:   File "/work/main/sample_logs/cpu_adhoc/fault576.py", line 148, in main',
                            '[rank3]:   File "/work/main/sample_logs/cpu_adhoc/fault576.py", line 141, in main', tmp_path)
-    assert report["root_cause"]["ranks"] != [2, 3]
+    rc = report["root_cause"]
+    assert rc["rule_id"] == "gloo.timeout" and rc["ranks"] != [2, 3]
+    assert not any("waited in `all_reduce at" in reason for reason in rc["reasons"])
 
 
 def test_waits_a_stop_ended_name_the_rank_that_had_not_reached_the_collective():

@@ -88,18 +88,21 @@ def _others_opened_alike(scan: ScanResult, stream_stats: dict[StreamKey, SlotSta
     failed rank has none of it: its output was filtered out (`--local-ranks-filter 0,1`), not cut from a paste
     that would have lost the others' opening lines too (cpu_adhoc 572nd batch). Progress lines do not count: a
     paste may begin at any step."""
-    opened: list[str] = []
+    firsts: dict[int, list[int]] = {}     # source -> the ranks' first line numbers in it
     for key, stats in stream_stats.items():
         if key.kind is not StreamKind.RANK or stats.first_line is None:
             continue
         if key.rank == rank:
             return False
-        source, number = stats.first_line
-        message = message_of(read_lines(scan.sources[source], scan.indexes[source], [number]).get(number, ""))
-        if step_number(message) is not None:
-            return False    # progress: a paste may begin at any step, after the failed rank's traceback
-        opened.append(mask_numbers(message).strip())
-    return len(opened) >= 2 and len(set(opened)) == 1 and bool(opened[0])
+        firsts.setdefault(stats.first_line[0], []).append(stats.first_line[1])
+    opened: set[str] = set()
+    for source, numbers in firsts.items():   # one read back per source
+        for text in read_lines(scan.sources[source], scan.indexes[source], numbers).values():
+            message = message_of(text)
+            if step_number(message) is not None:
+                return False    # progress: a paste may begin at any step, after the failed rank's traceback
+            opened.add(mask_numbers(message).strip())
+    return sum(map(len, firsts.values())) >= 2 and len(opened) == 1 and "" not in opened
 
 
 def unrecognised_exception(scan: ScanResult, keys: list[StreamKey], catalog: Catalog,

@@ -18,11 +18,12 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
+from logtriage.analysis.lost_peers import lost_a_peer
 from logtriage.analysis.refine import WAITING_FRAMES, stopped_while_waiting_rule
 from logtriage.analysis.roots import RootCause
 from logtriage.analysis.stream_lines import stream_messages
 from logtriage.catalog.loader import Catalog
-from logtriage.catalog.rule import Category, Role
+from logtriage.catalog.rule import Category
 from logtriage.demux.frames import FRAME
 from logtriage.demux.streams import StreamKey, StreamKind
 from logtriage.scan_result import ScanResult
@@ -71,7 +72,7 @@ def waits_the_stop_ended(root: RootCause, findings: list[Finding], known: frozen
     after = [f for f in findings if f.is_error and not f.is_teardown and f.rank is not None
              and f.source == stop.source and f.line > stop.line]
     waited = {f.rank for f in after if f.category is Category.COLLECTIVE_TIMEOUT}
-    lost = {f.rank for f in after if f.role is Role.CASCADE_CANDIDATE and f.category is Category.COLLECTIVE_ERROR}
+    lost = {f.rank for f in after if lost_a_peer(f)}
     others = {f.rank for f in after} - waited - lost
     if not waited or len(lost - waited) != 1 or others or waited | lost != set(known) or len(known) < 2:
         return root

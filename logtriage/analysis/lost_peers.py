@@ -23,6 +23,11 @@ def link_failed_first(live: list[Finding], timed_out: set[int], first: Finding) 
     return earliest(broken) if len(ranks) == 1 else None
 
 
+def lost_a_peer(f: Finding) -> bool:
+    """A rank's wait that ended on a peer's closed or reset connection."""
+    return f.role is Role.CASCADE_CANDIDATE and f.category is Category.COLLECTIVE_ERROR
+
+
 def still_working(live: list[Finding], timeouts: list[Finding], closed: set[int], facts: RankFacts) -> int | None:
     """Of the ranks that did not time out but lost their peers, the one whose own progress line comes after
     the others' first timeout and before its own lost connection: it was still at work when they gave up
@@ -32,8 +37,7 @@ def still_working(live: list[Finding], timeouts: list[Finding], closed: set[int]
         return None
     late = []
     for rank in closed:
-        own = [f for f in live if f.rank == rank and f.role is Role.CASCADE_CANDIDATE
-               and f.category is Category.COLLECTIVE_ERROR]
+        own = [f for f in live if f.rank == rank and lost_a_peer(f)]
         span = next((s for k, s in facts.last_progress.items() if k.kind is StreamKind.RANK and k.rank == rank), None)
         if not own or span is None:
             continue

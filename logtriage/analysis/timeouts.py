@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from logtriage.analysis.findings import Finding
-from logtriage.analysis.lost_peers import link_failed_first, still_working, waited_elsewhere
+from logtriage.analysis.lost_peers import link_failed_first, lost_a_peer, still_working, waited_elsewhere
 from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.roots import RankFacts, RootCause, earliest
 from logtriage.catalog.rule import Category, Role
@@ -44,7 +44,7 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
             + "; the worker it called, which did not answer, is not named in the log",))
     # a rank whose wait ended on a peer's closed connection was in the collective too, unless it
     # had stepped past the waiting ranks (it skipped their collective and failed in a later one)
-    peer_closed = {f.rank for f in live if f.rank is not None and _lost_a_peer(f)}
+    peer_closed = {f.rank for f in live if f.rank is not None and lost_a_peer(f)}
     waited_at = _waited_at_step(timed_out, facts)
     ahead = {r for r in peer_closed if waited_at is not None and facts.last_step.get(r, -1) > waited_at}
     late = _arrived_after_the_waits(timeouts, timed_out, live, facts, peer_closed - ahead - timed_out)
@@ -84,7 +84,7 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
         # lost their connection to it, the rest waited out the timeout. It left early (a shorter data
         # shard, a stop condition of its own): the closed connections, not the timeouts, say what happened.
         only = missing[0]
-        closed = earliest([f for f in live if f.rank in peer_closed - ahead and _lost_a_peer(f)])
+        closed = earliest([f for f in live if f.rank in peer_closed - ahead and lost_a_peer(f)])
         return RootCause(closed.rule, closed, only, (only,), 0.4, (
             f"rank {only} exited cleanly while the others were still in a collective with it: ranks "
             f"{ranges(sorted(peer_closed - ahead), limit=8)} lost their connection to it and the rest timed out "
@@ -143,7 +143,7 @@ def missing_rank_root(timeouts: list[Finding], live: list[Finding], facts: RankF
         return RootCause(first.rule, first, only, (only,), 0.4, (
             f"rank {only} is the only rank in this log, and it timed out in a collective",))
     # the ranks whose wait ended on a closed connection were in a collective too: theirs counts
-    closed_in = [f for f in live if f.rank in peer_closed - ahead - timed_out and _lost_a_peer(f)]
+    closed_in = [f for f in live if f.rank in peer_closed - ahead - timed_out and lost_a_peer(f)]
     enough = len(timed_out) + len({f.rank for f in closed_in}) >= 3   # two ranks: `_left_the_loop`'s reading
     odd = _odd_collective(timeouts + closed_in if enough else timeouts)
     if odd is not None:
@@ -327,11 +327,6 @@ def _behind(facts: RankFacts, ranks: set[int]) -> int | None:
     return lowest[0] if len(lowest) == 1 and max(steps.values()) > low else None
 
 
-def _lost_a_peer(f: Finding) -> bool:
-    """A rank's wait that ended on a peer's closed or reset connection."""
-    return f.role is Role.CASCADE_CANDIDATE and f.category is Category.COLLECTIVE_ERROR
-
-
 def _arrived_after_the_waits(timeouts: list[Finding], timed_out: set[int], live: list[Finding], facts: RankFacts,
                              closed: set[int]) -> set[int]:
     """The one rank that did not time out when every other known rank did, whose errors are all a peer's closed
@@ -342,6 +337,6 @@ def _arrived_after_the_waits(timeouts: list[Finding], timed_out: set[int], live:
     rank = next(iter(closed))
     last_wait = max(f.seq for f in timeouts)
     own = [f for f in live if f.rank == rank]
-    if own and all(_lost_a_peer(f) and f.seq > last_wait for f in own):
+    if own and all(lost_a_peer(f) and f.seq > last_wait for f in own):
         return {rank}
     return set()

@@ -40,7 +40,8 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
         m = COLLECTIVE_FRAME.search(text)
         if m:
             state["collective"] = m.group(1)
-            state.setdefault("collective_site", state.get("caller", ""))
+            if "collective_site" not in state:
+                state["collective_site"] = _site(state.get("caller"))
     if "cause_frame" not in state and B.CHAIN.match(text):
         # "During handling of the above exception": the first exception's own innermost frame
         state["cause_frame"] = state.get("last_frame", "")
@@ -75,9 +76,8 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
                 # callbacks as the interpreter exits (printed, then the exit goes on with its code)
                 state["outermost"] = frame.group(3)
             state["last_file"], state["last_frame"] = frame.group(2), frame.group(3)
-            if not _TORCH_FILE.search(frame.group(2)):
-                line = _FRAME_LINE.search(text)
-                state["caller"] = f"{_BASENAME.search(frame.group(2)).group(0)}:{line.group(1) if line else ''}"
+            if "torch" not in frame.group(2) or not _TORCH_FILE.search(frame.group(2)):
+                state["caller"] = text   # (read only when a collective's frame follows: _site)
         if "checkpoint" not in state and not ACTIVATION_CHECKPOINT.search(text):
             m = CHECKPOINT_FRAME.search(text)
             if m:
@@ -96,10 +96,15 @@ _CHECKPOINT_CALL = re.compile(r"\btorch\.(?:load|save)\b|\.load_state_dict\(")
 _NOT_A_RAISE = re.compile(r"^(?!raise\b|assert\b|[~^\s]*$)\S")
 
 
-# a frame line's line number; a file of torch's own (POSIX or Windows paths); a path's last part
-_FRAME_LINE = re.compile(r'", line (\d+), in ')
+# a file of torch's own (POSIX or Windows paths); a frame line's file name (its path's last part) and line number
 _TORCH_FILE = re.compile(r"[/\\]torch[/\\]")
-_BASENAME = re.compile(r"[^/\\]*$")
+_FRAME_SITE = re.compile(r'File "(?:[^"\n]*[/\\])?([^"/\\\n]*)", line (\d+), in ')
+
+
+def _site(frame_line: str | None) -> str:
+    """`train.py:148` from the frame line of the last frame outside torch before a collective's."""
+    m = _FRAME_SITE.search(frame_line) if frame_line else None
+    return f"{m.group(1)}:{m.group(2)}" if m else ""
 # a caret row: Python 3.11's markers under the part of a source line that raised
 _CARETS = re.compile(r"^\s*[~^]+\s*$")
 
