@@ -146,7 +146,10 @@ def came_late_to_the_collective(scan: ScanResult, keys: list[StreamKey], root: R
             start = scan.blocks[f.block_id][1]
             lost[f.rank] = min(lost.get(f.rank, (f.source, start)), (f.source, start))
     rank = at_work_after_the_timeouts(scan, keys, began, lost)
-    if rank is not None and steps.get(rank, -1) > max((steps.get(r, -1) for r in timed_out), default=-1):
+    # the waiting ranks: the root's, where an earlier reading named them (a rank that timed out later, in a
+    # later collective, waited for something else), else every rank that timed out
+    waiting = (set(root.ranks) & timed_out) or timed_out
+    if rank is not None and steps.get(rank, -1) > max((steps.get(r, -1) for r in waiting), default=-1):
         rank = None     # it had printed a later step than any waiting rank: past their collective, not late to it
     if rank is not None:
         why = (f"rank {rank} did not time out: it printed its own work after rank {first.rank}'s timeout began and "
