@@ -1,6 +1,7 @@
 """Readings the 588th-599th batches of real CPU runs (torch 2.13, sample_logs/cpu_adhoc, labelled before triage ran)
 asked for: a rank that printed a later step than the rank whose wait an earlier reading named was past that
-collective, not late to it, even where another rank timed out later, in a later collective."""
+collective, not late to it, even where another rank timed out later, in a later collective; and a script's ERROR
+line that ends on its refusal to go on (`...; refusing to train on an empty field`) is the error it exited with."""
 
 from __future__ import annotations
 
@@ -26,3 +27,21 @@ def test_without_its_later_step_the_rank_at_work_after_the_wait_is_the_late_one(
     rc = report["root_cause"]
     assert (rc["rule_id"], rc["rank"]) == ("dist.work_wait_timeout", 1)
     assert any("did not time out" in reason for reason in rc["reasons"])
+
+
+REFUSED = "drumlin_logged_exit_np4_r1_spawn"
+REFUSAL = "; refusing to train on an empty field"
+
+
+def test_an_error_line_ending_on_a_refusal_to_go_on_is_the_logged_error():
+    # mp.spawn, 4 ranks: rank 1 logged `ERROR drumlin: field clew_bay_1 has 0 usable drumlins ...; refusing to train
+    # on an empty field` and exited 4 ('terminate called without an active exception' after it); mp.spawn then
+    # reported process 0's lost connection. The line names no rank (its field name is rank 1's shard), so the
+    # rank stays the launcher's reading; the error is the script's own, not the abort after it
+    rc = sample_report(REFUSED)["root_cause"]
+    assert (rc["rule_id"], rc["category"], rc["line"]) == ("python.logged_error", "python_exception", 13)
+
+
+def test_the_same_error_line_without_the_refusal_is_no_logged_error(tmp_path):
+    rc = edited_report(REFUSED, REFUSAL, "", tmp_path)["root_cause"]
+    assert rc["rule_id"] != "python.logged_error"
