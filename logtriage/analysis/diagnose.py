@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from logtriage.analysis.chain import build_chain
 from logtriage.analysis.childfailed import ChildFailure
 from logtriage.analysis.environment import Environment, collect_environment
 from logtriage.analysis.evidence import gather_evidence
@@ -18,7 +19,6 @@ from logtriage.analysis.fallback_readings import read_fallbacks
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.hang_verdict import read_verdict
 from logtriage.analysis.recovery_reading import read_recovery
-from logtriage.analysis.rootcause import build_chain
 from logtriage.analysis.roots import ChainLink, RootCause, Verdict
 from logtriage.analysis.statuses import StreamSummary, stream_statuses
 from logtriage.catalog.loader import Catalog

@@ -15,11 +15,10 @@ from logtriage.analysis.findings import Finding
 from logtriage.analysis.first_signs import (LOGGED_RULE, from_first_logged_sign, numerical_signs_first,
                                             reports_death_after_own_error)
 from logtriage.analysis.live_errors import EXIT_RULE, live_errors
-from logtriage.analysis.rank_evidence import (all_exited_alike, lone_speaker, mismatch_odd_one_out, missing_from_barrier,
-                                              model_odd_one_out, odd_one_out, rank_from_exit_codes, rank_reporting_the_same,
-                                              rank_the_launcher_saw_fail, rank_the_timeouts_wait_for, refine_rank)
-from logtriage.analysis.roots import ChainLink, ChainRole, RankFacts, RootCause, earliest
-from logtriage.analysis.timeouts import missing_rank_root, named_culprit
+from logtriage.analysis.group_ranks import odd_rank_out, rank_among_alike, rank_of_a_line_without_one
+from logtriage.analysis.rank_evidence import all_exited_alike, missing_from_barrier
+from logtriage.analysis.roots import RankFacts, RootCause, earliest
+from logtriage.analysis.timeouts import missing_rank_root
 from logtriage.analysis.timestamps import clearly_before
 from logtriage.catalog.rule import Category, Role, Severity
 from logtriage.demux.streams import StreamKind
@@ -198,79 +197,26 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
         # summary's entries): the workers that died of the same signal are one group
         group = [f for f in candidates if f.rule.id == first.rule.id and f.attributed_by == "launcher"]
     ranks = _ranks(group)
-    reasons = []
     rank = first.rank
+    reasons: list[str] = []
     if not ranks and len(group) >= 2 and len(group) == len(facts.known):
         ranks = tuple(sorted(facts.known))  # one unprefixed copy per rank (before the process group existed)
     if len(ranks) > 1:
-        shared = {Category.ENVIRONMENT: "the machine or the installation they share",
-                  Category.CRASH_SIGNAL: "something they all share (the code, a native library, the machine)",
-                  }.get(first.category, "a code or data bug shared by all")
-        reasons.append(f"the same error on {len(ranks)} ranks: {shared}")
-        first_text: dict[int, str] = {}
-        for f in sorted(group, key=lambda f: f.seq):
-            if f.rank is not None:
-                first_text.setdefault(f.rank, f.text)
-        if len(set(first_text.values())) <= 1:
-            # the very same line everywhere: no rank went first, unless one rank logged its error earlier
-            rank = first.rank if dated and first.rank is not None else min(ranks)
-        elif rank is None:
-            rank = min(ranks)
-        if all(f.attributed_by == "launcher" for f in group) and facts.summary_root in ranks:
-            rank = facts.summary_root   # only the launcher's reports: the one it observed first
-        refined = refine_rank(first, live, ranks)
-        if refined is not None:
-            if refined[0] != rank:   # one rank's own sign came first: not a bug they all share
-                reasons[-1] = f"the same error on {len(ranks)} ranks"
-                reasons.append(refined[1])
-            rank = refined[0]
+        rank, reasons = rank_among_alike(first, group, live, facts, ranks, dated)
     elif rank is None and (alike := all_exited_alike(first, group, live, facts)):
         rank, ranks = min(alike), alike
         reasons.append(f"the line carries no rank; it is printed more than once and all {len(alike)} ranks "
                        f"exited with the same code: a code or data bug shared by all")
-    elif rank is None:
-        for find, why in ((lambda: rank_reporting_the_same(first, live),
-                           "the line carries no rank; rank {} reports the same kind of error"),
-                          (lambda: rank_the_timeouts_wait_for(first, live, facts),
-                           "the line carries no rank; the other ranks waited for rank {} (in their collective, "
-                           "or for its address in the store), which says nothing of its own"),
-                          (lambda: rank_the_launcher_saw_fail(live),
-                           "the line carries no rank; the launcher saw rank {} fail first"),
-                          (lambda: rank_from_exit_codes(facts),
-                           "rank {} is the only worker that failed with its own exit code"),
-                          (lambda: next(iter(facts.known)) if len(facts.known) == 1 else None,
-                           "rank {} is the only rank in this log"),
-                          (lambda: lone_speaker(first, live, facts),
-                           "rank {} is the only rank whose own lines are in this log, and it reports no "
-                           "consequence of another rank's failure")):
-            rank = find()
-            if rank is not None:
-                ranks = (rank,)
-                reasons.append(why.format(rank))
-                confidence -= 0.15
-                break
+    elif rank is None and (found := rank_of_a_line_without_one(first, live, facts)) is not None:
+        rank, why = found
+        ranks, confidence = (rank,), confidence - 0.15
+        reasons.append(why)
     missing = missing_from_barrier(group)
     if missing:
         rank, ranks = missing[0], tuple(missing)
         reasons.append(f"rank(s) {', '.join(map(str, missing))} never reached the start-up barrier the others "
                        f"waited in")
-    odd = mismatch_odd_one_out(live)
-    if odd is None:
-        odd = odd_one_out(facts.reported_shapes)
-    if odd is not None and first.category is Category.COLLECTIVE_MISMATCH:
-        return RootCause(first.rule, first, odd, (odd,), confidence, (
-            f"rank {odd} ran a different collective (op, shape or dtype) from every other rank",))
-    odd = model_odd_one_out(live) if first.category is Category.DDP_USAGE else None
-    if odd is not None:
-        return RootCause(first.rule, first, odd, (odd,), confidence, (
-            f"rank {odd} built a different model: its parameter count differs from every other rank's, "
-            "which agree",))
-    culprit = named_culprit(live)
-    if culprit is not None and first.category in (Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR,
-                                                  Category.COLLECTIVE_MISMATCH):
-        rank, ranks = culprit, (culprit,)
-        reasons.append(f"a debug report names rank {culprit} as the one that lagged or differed")
-    return RootCause(first.rule, first, rank, ranks, confidence, tuple(reasons))
+    return odd_rank_out(first, live, facts, rank, ranks, confidence, reasons)
 
 
 def _raised_at_the_same_place(f: Finding, first: Finding) -> bool:
@@ -284,27 +230,3 @@ def _raised_at_the_same_place(f: Finding, first: Finding) -> bool:
 
 def _ranks(findings) -> tuple[int, ...]:
     return tuple(sorted({f.rank for f in findings if f.rank is not None}))
-
-
-def build_chain(root: RootCause | None, findings: list[Finding]) -> tuple[ChainLink, ...]:
-    links: list[ChainLink] = []
-    root_ranks = set(root.ranks) if root else set()
-    if root is not None and root.finding is not None:
-        group = [f for f in findings if f.signature == root.finding.signature]
-        links.append(ChainLink(root.rule, ChainRole.INITIATING, root.ranks, root.finding, len(group)))
-    grouped: dict[tuple[str, ChainRole], list[Finding]] = {}
-    seen_rank_cascade: set[int] = set()
-    for finding in findings:
-        if not finding.is_error or (root and root.finding is not None and finding.signature == root.finding.signature):
-            continue
-        if finding.is_teardown:
-            grouped.setdefault((finding.rule.id, ChainRole.TEARDOWN), []).append(finding)
-            continue
-        if finding.rank is not None and (finding.rank in seen_rank_cascade or finding.rank in root_ranks):
-            continue
-        if finding.rank is not None:
-            seen_rank_cascade.add(finding.rank)
-        grouped.setdefault((finding.rule.id, ChainRole.CASCADE), []).append(finding)
-    for (_, role), group in sorted(grouped.items(), key=lambda kv: (kv[0][1] is ChainRole.TEARDOWN, kv[1][0].seq)):
-        links.append(ChainLink(group[0].rule, role, _ranks(group), group[0], len(group)))
-    return tuple(links)
