@@ -43,5 +43,7 @@ def test_an_error_line_ending_on_a_refusal_to_go_on_is_the_logged_error():
 
 
 def test_the_same_error_line_without_the_refusal_is_no_logged_error(tmp_path):
+    # without its refusal the line is an ERROR record like any other: the abort after it is what the log shows
     rc = edited_report(REFUSED, REFUSAL, "", tmp_path)["root_cause"]
     assert rc["rule_id"] != "python.logged_error"
+    assert (rc["rule_id"], rc["category"], rc["line"]) == ("signal.terminate_no_exception", "crash_signal", 14)

@@ -4,11 +4,7 @@ grouped by rule) and the teardown (the launcher's signals and summary), in order
 from __future__ import annotations
 
 from logtriage.analysis.findings import Finding
-from logtriage.analysis.roots import ChainLink, ChainRole, RootCause
-
-
-def _ranks(findings) -> tuple[int, ...]:
-    return tuple(sorted({f.rank for f in findings if f.rank is not None}))
+from logtriage.analysis.roots import ChainLink, ChainRole, RootCause, ranks_of
 
 
 def build_chain(root: RootCause | None, findings: list[Finding]) -> tuple[ChainLink, ...]:
@@ -31,5 +27,5 @@ def build_chain(root: RootCause | None, findings: list[Finding]) -> tuple[ChainL
             seen_rank_cascade.add(finding.rank)
         grouped.setdefault((finding.rule.id, ChainRole.CASCADE), []).append(finding)
     for (_, role), group in sorted(grouped.items(), key=lambda kv: (kv[0][1] is ChainRole.TEARDOWN, kv[1][0].seq)):
-        links.append(ChainLink(group[0].rule, role, _ranks(group), group[0], len(group)))
+        links.append(ChainLink(group[0].rule, role, ranks_of(group), group[0], len(group)))
     return tuple(links)

@@ -5,7 +5,7 @@ orders."""
 from __future__ import annotations
 
 from logtriage.analysis.findings import Finding
-from logtriage.analysis.roots import RootCause
+from logtriage.analysis.roots import RootCause, ranks_of
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category, Rule
 
@@ -31,9 +31,9 @@ def different_collectives_at_one_seq(root: RootCause, findings: list[Finding], c
     if split is None:
         return _diverged_pair(root, findings, rule)
     odd = min(split.values(), key=len)
-    ranks = tuple(sorted({f.rank for f in odd if f.rank is not None}))
+    ranks = ranks_of(odd)
     first = odd[0]
-    ops = ", ".join(f"{op} on rank(s) {sorted({f.rank for f in fs if f.rank is not None})}" for op, fs in split.items())
+    ops = ", ".join(f"{op} on rank(s) {list(ranks_of(fs))}" for op, fs in split.items())
     return RootCause(rule, first, ranks[0] if len(ranks) == 1 else None, ranks, 0.6, (
         f"at collective #{first.captures['seq']} the ranks waited in different collectives ({ops}): "
         "their code called collectives in a different order",))

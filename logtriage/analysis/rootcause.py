@@ -17,7 +17,7 @@ from logtriage.analysis.first_signs import (LOGGED_RULE, from_first_logged_sign,
 from logtriage.analysis.live_errors import EXIT_RULE, live_errors
 from logtriage.analysis.group_ranks import odd_rank_out, rank_among_alike, rank_of_a_line_without_one
 from logtriage.analysis.rank_evidence import all_exited_alike, missing_from_barrier
-from logtriage.analysis.roots import RankFacts, RootCause, earliest
+from logtriage.analysis.roots import RankFacts, RootCause, earliest, ranks_of
 from logtriage.analysis.timeouts import missing_rank_root
 from logtriage.analysis.timestamps import clearly_before
 from logtriage.catalog.rule import Category, Role, Severity
@@ -70,7 +70,7 @@ def choose_root(findings: list[Finding], facts: RankFacts) -> RootCause | None:
     cascade = [f for f in live if f.role is Role.CASCADE_CANDIDATE]
     if cascade:
         first = earliest(cascade)
-        ranks = _ranks(f for f in cascade if f.signature == first.signature)
+        ranks = ranks_of(f for f in cascade if f.signature == first.signature)
         return RootCause(first.rule, first, first.rank, ranks, 0.3,
                          ("only consequences were found; the initiating error is not in this log",))
     return None
@@ -125,7 +125,7 @@ def warning_root(findings: list[Finding]) -> RootCause | None:
         return None
     first = earliest(warnings)
     group = [f for f in warnings if f.rule.id == first.rule.id]
-    return RootCause(first.rule, first, first.rank, _ranks(group), 0.3, (
+    return RootCause(first.rule, first, first.rank, ranks_of(group), 0.3, (
         f"the run failed without an error line; {len(group)} warning(s) of this kind came before the end",))
 
 
@@ -196,7 +196,7 @@ def _group_root(candidates: list[Finding], live: list[Finding], facts: RankFacts
         # the launcher reports each worker's signal in its own words (its `failed` line, the
         # summary's entries): the workers that died of the same signal are one group
         group = [f for f in candidates if f.rule.id == first.rule.id and f.attributed_by == "launcher"]
-    ranks = _ranks(group)
+    ranks = ranks_of(group)
     rank = first.rank
     reasons: list[str] = []
     if not ranks and len(group) >= 2 and len(group) == len(facts.known):
@@ -226,7 +226,3 @@ def _raised_at_the_same_place(f: Finding, first: Finding) -> bool:
     return (f.rule.id == first.rule.id and f.rank != first.rank and bool(first.last_frame)
             and f.last_frame == first.last_frame and f.exception_type is not None
             and f.exception_type == first.exception_type)
-
-
-def _ranks(findings) -> tuple[int, ...]:
-    return tuple(sorted({f.rank for f in findings if f.rank is not None}))

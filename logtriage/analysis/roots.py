@@ -67,6 +67,11 @@ def read_as(root: RootCause, catalog, rule_id: str, reason: str) -> RootCause:
     return root if rule is None else replace(root, rule=rule, reasons=root.reasons + (reason,))
 
 
+def ranks_of(findings) -> tuple[int, ...]:
+    """The ranks the findings name, in order, each once."""
+    return tuple(sorted({f.rank for f in findings if f.rank is not None}))
+
+
 def earliest(findings: list[Finding]) -> Finding:
     best = findings[0]
     for candidate in findings[1:]:
