@@ -1,19 +1,16 @@
-"""Second readings of a root that is an exception: what the frame that raised it says (a
-file-system error in a checkpoint's save or load, or on a checkpoint's path, is that checkpoint's
-failure, and so is pickle refusing an object inside a save; a division by zero in OpenMMLab's
-init_dist is "no GPU visible"; a spawn child's EOFError is its parent's pickling failure; a
-DataLoader worker's CUDA initialization error is CUDA after fork; a ValueError in torchrun's option
-parsing is a usage error; a JSONDecodeError is a banner in front of a probe's output only where
-there is a banner; terabytes asked for inside an object collective are a mismatch). What the
-launcher's summary adds to an exception is read in summary_exceptions."""
+"""Second readings of a root that is an exception about files: a file-system error in a
+checkpoint's save or load, or on a checkpoint's path, is that checkpoint's failure, and so is pickle
+refusing an object inside a save; a missing file that is data by its name is the data's; a
+JSONDecodeError is a banner in front of a probe's output only where there is a banner. What the
+frame that raised an exception says is read in frame_readings; what the launcher's summary adds
+to an exception, in summary_exceptions."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import replace
 
-from logtriage.analysis.exception_names import INSTALLED_PACKAGE, shadowing_file, short_type
-from logtriage.analysis.findings import Finding
+from logtriage.analysis.exception_names import short_type
 from logtriage.analysis.hangs import fallback_rule
 from logtriage.analysis.rootcause import GENERIC_EXCEPTION_RULE
 from logtriage.analysis.roots import RootCause, read_as
@@ -27,8 +24,6 @@ FILE_SYSTEM_ERRORS = frozenset({
     "OSError", "IOError", "FileExistsError", "FileNotFoundError", "PermissionError", "IsADirectoryError",
     "NotADirectoryError", "BlockingIOError", "EOFError"})
 GENERIC_RULES = frozenset({"python.exception", "python.file_not_found", "host.filesystem_error"})
-# `module 'torch.library' has no attribute 'wrap_triton'`: the module's top-level package in group 1
-_MODULE_ATTRIBUTE = re.compile(r"module '([A-Za-z_]\w*)[\w.]*' has no attribute '\w+'")
 _TORCH_SERIALIZATION = "torch/serialization.py"
 # a path the error names that is a checkpoint's (`'out/tmp-checkpoint-x' -> 'out/checkpoint-100'`)
 # a path named for checkpoints, or a file in torch's or safetensors' own formats (`step2.pt`)
@@ -92,7 +87,9 @@ DATA_FILE_RULE = "data.file_not_found"
 _MISSING_PATH = re.compile(r"is not a valid (?:directory|file|path)|does not exist|(?:not found|No such file)\b")
 # an object store answering that the key is not there (botocore's ClientError)
 _MISSING_OBJECT = re.compile(r"\((?:404|NoSuchKey)\) when calling the \w+ operation")
-# the file system refusing a write (with _DISK_FULL below): a save into such a place fails whatever
+# a full or over-quota file system, as any writer reports it (torch.save's own words name the save)
+DISK_FULL = re.compile(r"No space left on device|Disk quota exceeded")
+# the file system refusing a write (with DISK_FULL): a save into such a place fails whatever
 # the checkpoint holds
 _UNWRITABLE = re.compile(r"Permission denied|Operation not permitted|Read-only file system")
 # pickle refusing an object (a lambda, a local class, an open file): inside a save, the save's failure
@@ -138,7 +135,7 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
         # failed with Input/output error`)
         if kind == "FileNotFoundError" and loading:
             rule_id = "ckpt.not_found"
-        elif not loading and (kind == "PermissionError" or _UNWRITABLE.search(f.text) or _DISK_FULL.search(f.text)):
+        elif not loading and (kind == "PermissionError" or _UNWRITABLE.search(f.text) or DISK_FULL.search(f.text)):
             rule_id = WRITE_FAILED_RULE   # a save refused by the target: no permission, read-only, full
         else:
             rule_id = "ckpt.io_error"
@@ -155,124 +152,6 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
     rule = catalog.get(rule_id) or fallback_rule(rule_id, Category.CHECKPOINT, "A checkpoint's file operation failed")
     return replace(root, rule=rule, reasons=root.reasons + (
         f"the {kind} was raised in {where}: saving or loading a checkpoint failed",))
-
-
-# OpenMMLab's init_dist (mmcv, mmdet, mmseg ...) sets `torch.cuda.set_device(rank % num_gpus)`
-# with num_gpus = torch.cuda.device_count(): zero visible GPUs divide by zero there.
-GPU_COUNT_FRAMES = frozenset({"_init_dist_pytorch", "_init_dist_slurm", "_init_dist_mpi", "init_dist"})
-# torchrun parsing its own options (`--nproc_per_node gpu|cpu|auto|N`): a bad value is a usage error
-# where Python forks a child (multiprocessing's fork start method, subprocess): EAGAIN there is a process limit
-_FORK_FRAME = re.compile(r"multiprocessing/popen_fork\.py$|/subprocess\.py$")
-LAUNCHER_OPTION_FRAMES = frozenset({"determine_local_world_size", "parse_min_max_nnodes", "_get_rdzv_endpoint"})
-# DCP's state-dict helper maps each optimizer parameter to the model's names (fqn_pid_mapping)
-OPTIM_STATE_FRAME = "_get_optim_state_dict"
-# multiprocessing's spawn child unpickles what its parent sent; an empty pipe means the parent failed
-SPAWN_CHILD_FRAME = "_main"
-# a DataLoader worker's exception, re-raised by the main process (`Caught RuntimeError in DataLoader
-# worker process 0.`): workers are forked by default on Linux
-_LOADER_WORKER = re.compile(r"\bin DataLoader worker process \d+")
-# the object collectives send a size first, then the pickled bytes: a rank that joined another
-# call (a list of another length, another collective) reads a size out of someone else's data
-OBJECT_COLLECTIVES = frozenset({"broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
-                                "send_object_list", "recv_object_list"})
-GARBAGE_SIZE_BYTES = 1 << 40   # 1 TiB asked for one object's buffer: no pickled object is that large
-# a full or over-quota file system, as any writer reports it (torch.save's own words name the save)
-_DISK_FULL = re.compile(r"No space left on device|Disk quota exceeded")
-# torch.compile's on-disk caches (Inductor's FX graph, kernel and autotune caches), which the ranks
-# of one node read and write at once: a half-written entry reads as truncated pickle or JSON
-_COMPILE_CACHE_FILE = re.compile(r"torch/_inductor/(?:codecache|runtime/autotune_cache)\.py$|/torchinductor_[^/]*/")
-_HALF_WRITTEN = frozenset({"UnpicklingError", "EOFError", "JSONDecodeError"})
-
-
-def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:
-    """An exception whose meaning is in the frame that raised it: a ZeroDivisionError in
-    OpenMMLab's init_dist is "no GPU visible"; an `EOFError: Ran out of input` in a spawn child's
-    `_main` is the parent failing to send the process's state (a pickling error), not a truncated
-    checkpoint; a full disk with no checkpoint frame is the file system's, not a checkpoint's; CUDA's
-    `initialization error` in a DataLoader worker is CUDA used in a forked child; a ValueError in
-    torchrun's own option parsing is a bad launcher option; a host allocation of terabytes inside an
-    object collective is a size read out of another call's data (the ranks' calls do not match)."""
-    f = root.finding
-    if f is None:
-        return root
-    kind = short_type(f.exception_type)
-    if kind == "ZeroDivisionError" and root.rule.id in GENERIC_RULES and f.last_frame in GPU_COUNT_FRAMES:
-        rule_id, why = "cuda.no_device", (
-            f"the division by zero is in `{f.last_frame}`, which takes the rank modulo torch.cuda.device_count(): "
-            "the process saw no GPU")
-    elif kind == "ValueError" and root.rule.id in GENERIC_RULES and f.last_frame in LAUNCHER_OPTION_FRAMES:
-        rule_id, why = "launcher.torchrun_usage", (
-            f"the ValueError is raised in torchrun's `{f.last_frame}`, which parses its own options: a launcher "
-            "option has a bad value (often a script argument that landed in its place)")
-    elif kind == "EOFError" and root.rule.id == "ckpt.corrupt_archive" and f.last_frame == SPAWN_CHILD_FRAME:
-        rule_id, why = GENERIC_EXCEPTION_RULE, (
-            "the EOFError is raised in multiprocessing's spawn `_main`, where a child unpickles what its parent "
-            "sent: the parent failed to pickle the process's arguments (a lambda, a local class, an open file)")
-    elif (root.rule.id in ("cuda.driver_unusable", "cuda.error") and "initialization error" in f.text
-          and _LOADER_WORKER.search(f.block_exception)):
-        rule_id, why = "cuda.forked_subprocess", (
-            "CUDA's initialization error was raised in a DataLoader worker: workers are forked from a process "
-            "that had already initialised CUDA, and a forked child cannot use it")
-    elif kind == "AttributeError" and root.rule.id in GENERIC_RULES and (caller := _other_packages_api(f)):
-        rule_id, why = "env.package_api_missing", (
-            f"the missing attribute is looked up in the installed package `{caller}`, not in "
-            "the job's own code: that package was written for another version of the module it calls")
-    elif (root.rule.id == "host.cpu_alloc" and f.collective in OBJECT_COLLECTIVES
-          and int(f.captures.get("bytes") or 0) >= GARBAGE_SIZE_BYTES):
-        rule_id, why = "dist.collective_mismatch", (
-            f"`{f.collective}` asked for {int(f.captures['bytes']) / (1 << 40):,.0f} TiB for one object's buffer: "
-            "the size it received was not a size, so the ranks' object collectives did not line up (another list "
-            "length, another call)")
-    elif (kind in _HALF_WRITTEN and root.rule.id in GENERIC_RULES | {"ckpt.corrupt_archive", PROBE_JSON_RULE}
-          and _COMPILE_CACHE_FILE.search(f.last_file)):
-        rule_id, why = "data.cache_race", (
-            f"the {kind} was raised reading torch.compile's on-disk cache (`{f.last_frame}` in Inductor's cache "
-            "code): another rank on the node was writing the same entry, so it read half a file")
-    elif kind == "KeyError" and root.rule.id in GENERIC_RULES and f.last_frame == OPTIM_STATE_FRAME \
-            and f.last_file.endswith("distributed/checkpoint/state_dict.py"):
-        rule_id, why = "ddp.fsdp_optimizer_params", (
-            "the KeyError is raised in DCP's `_get_optim_state_dict`, which maps the optimizer's parameters to the "
-            "model's: the optimizer holds parameters the (sharded) model does not, as when it was built before "
-            "FSDP or fully_shard replaced them")
-    elif kind == "FileNotFoundError" and root.rule.id in GENERIC_RULES and f.last_file.endswith("/tempfile.py"):
-        rule_id, why = "env.tmpdir_missing", (
-            f"the FileNotFoundError is raised in tempfile's `{f.last_frame}`, which creates a temporary file in a "
-            "folder that does not exist: TMPDIR (or the dir= passed, often built from it) names a missing folder")
-    elif kind == "FileExistsError" and root.rule.id in GENERIC_RULES and f.last_file.endswith("/shared_memory.py"):
-        rule_id, why = "host.shm_name_taken", (
-            f"the FileExistsError is raised in multiprocessing's shared_memory (`{f.last_frame}`) creating a named "
-            "block: one of that name already exists in /dev/shm (another job on the node, or a run that never "
-            "unlinked it)")
-    elif kind == "BlockingIOError" and root.rule.id in GENERIC_RULES and _FORK_FRAME.search(f.last_file):
-        rule_id, why = "host.thread_limit", (
-            f"the BlockingIOError (EAGAIN) is raised in `{f.last_frame}`, where the process forks a child: the "
-            "host's or container's limit on processes/threads was reached (a DataLoader worker, a subprocess)")
-    elif root.rule.id == WRITE_FAILED_RULE and f.last_frame and not f.checkpoint_frame and _DISK_FULL.search(f.text):
-        rule_id, why = "host.filesystem_error", (
-            f"the disk filled up in `{f.last_frame}`, outside any checkpoint code (no save frame): another "
-            "writer, /tmp or /dev/shm, ran out of space")
-    elif kind == "ImportError" and root.rule.id in GENERIC_RULES | {"python.module_not_found"} and (
-            shadow := shadowing_file(f.text)):
-        rule_id, why = "python.module_shadowed", (
-            f"`{shadow}` is a file of the job's own where the standard library's module of that name should be: "
-            "it hides that module from every import of it, torch's own included")
-    elif kind == "EOFError" and root.rule.id == "ckpt.corrupt_archive" and f.last_frame and not f.checkpoint_frame:
-        rule_id, why = GENERIC_EXCEPTION_RULE, (
-            f"the EOFError is raised in `{f.last_frame}`, and no frame of its traceback saves or loads a checkpoint "
-            "(torch.load, a checkpoint function): an empty pickle of the program's own (a cache, a data file)")
-    else:
-        return root
-    return read_as(root, catalog, rule_id, why)
-
-
-def _other_packages_api(f: Finding) -> str:
-    """The installed package whose code looked up a module's missing attribute, when that module
-    belongs to another package ('' otherwise)."""
-    missing = _MODULE_ATTRIBUTE.search(f.text)
-    caller = INSTALLED_PACKAGE.search(f.last_file)
-    if missing is None or caller is None or caller.group(1) == missing.group(1):
-        return ""
-    return caller.group(1)
 
 
 PROBE_JSON_RULE = "env.probe_json"

@@ -10,7 +10,8 @@ from logtriage.analysis.abort_rank import launcher_named_rank
 from logtriage.analysis.diverged import different_collectives_at_one_seq
 from logtriage.analysis.early_stop import stopped_early_peer
 from logtriage.analysis.evidence import Evidence
-from logtriage.analysis.exceptions import checkpoint_io, frame_reading, probe_json_without_banner
+from logtriage.analysis.exceptions import checkpoint_io, probe_json_without_banner
+from logtriage.analysis.frame_readings import frame_reading
 from logtriage.analysis.ext_build import own_source_compile_error
 from logtriage.analysis.findings import srun_tasks_are_nodes
 from logtriage.analysis.hangs import finished_then_stopped

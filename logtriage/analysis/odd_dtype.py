@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from logtriage.analysis.exceptions import GARBAGE_SIZE_BYTES
+from logtriage.analysis.frame_readings import GARBAGE_SIZE_BYTES
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.rank_evidence import rank_the_launcher_saw_fail
 from logtriage.analysis.roots import RootCause
