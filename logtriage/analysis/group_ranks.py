@@ -1,7 +1,7 @@
 """The rank of a root that several ranks' alike errors make, or whose line names none: the one that went
-first among alike errors, the rank that reports the same kind of error or that the others waited for, the
-launcher's first failure, and the one rank that differed from all the others (its collective, its shape,
-its model) or that a debug report names."""
+first among alike errors, rank 0 for a store server that could not listen, the rank that reports the same
+kind of error or that the others waited for, the launcher's first failure, and the one rank that differed
+from all the others (its collective, its shape, its model) or that a debug report names."""
 
 from __future__ import annotations
 
@@ -47,7 +47,11 @@ def rank_of_a_line_without_one(first: Finding, live: list[Finding], facts: RankF
     """An error line that carries no rank: the rank that reports the same kind of error, the one the others'
     timeouts waited for, the one the launcher saw fail first, the only one with an exit code of its own, the
     only rank in the log, or the only one whose own lines are in it."""
-    for find, why in ((lambda: rank_reporting_the_same(first, live),
+    for find, why in ((lambda: store_server_rank(first),
+                       "the line carries no rank; only rank {} starts the rendezvous store's server in "
+                       "init_process_group (`_create_c10d_store`, is_master = rank == 0), so the process whose server "
+                       "could not listen is that rank"),
+                      (lambda: rank_reporting_the_same(first, live),
                        "the line carries no rank; rank {} reports the same kind of error"),
                       (lambda: rank_the_timeouts_wait_for(first, live, facts),
                        "the line carries no rank; the other ranks waited for rank {} (in their collective, "
@@ -65,6 +69,19 @@ def rank_of_a_line_without_one(first: Finding, live: list[Finding], facts: RankF
         if rank is not None:
             return rank, why.format(rank)
     return None
+
+
+# init_process_group's env:// and tcp:// rendezvous: rank 0 alone starts the TCPStore's server there
+# (torch 2's `_create_c10d_store`, the handlers themselves before it), every other rank connects as a client
+STORE_SERVER_FRAMES = frozenset({"_create_c10d_store", "_env_rendezvous_handler", "_tcp_rendezvous_handler"})
+PORT_IN_USE_RULE = "dist.port_in_use"
+
+
+def store_server_rank(first: Finding) -> int | None:
+    """Rank 0, for a store server that could not listen (the port taken) raised in init_process_group's
+    own rendezvous, where only rank 0 starts one (not under torchrun's agent store: its workers are all
+    clients, and the agent's own failure is in the elastic rendezvous' frames)."""
+    return 0 if first.rule.id == PORT_IN_USE_RULE and first.last_frame in STORE_SERVER_FRAMES else None
 
 
 def odd_rank_out(first: Finding, live: list[Finding], facts: RankFacts, rank: int | None, ranks: tuple[int, ...],

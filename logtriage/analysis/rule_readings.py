@@ -19,6 +19,8 @@ from logtriage.catalog.rule import Category
 from logtriage.rank_ranges import ranges
 
 SPAWN_REPORT_RULE = "launcher.spawn_child_error"
+# mp.spawn's report of a child's error: the exception it re-raises, and its header naming the process
+SPAWN_RULES = frozenset({SPAWN_REPORT_RULE, "launcher.mp_spawn_raised"})
 
 
 def spawn_report_yields(root: RootCause, findings: list[Finding]) -> RootCause:

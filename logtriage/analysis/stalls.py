@@ -16,6 +16,7 @@ from logtriage.analysis.odd_start import odd_line_out
 from logtriage.analysis.rank_evidence import odd_one_out
 from logtriage.analysis.refine import at_the_odd_step, stopped_while_waiting_rule
 from logtriage.analysis.roots import RankFacts, RootCause
+from logtriage.analysis.rule_readings import SPAWN_RULES
 from logtriage.analysis.signal_readings import TEARDOWN_RULE
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
@@ -159,6 +160,15 @@ def came_late_to_the_collective(scan: ScanResult, keys: list[StreamKey], root: R
         rank = rank if rank in root.ranks else None
         why = (f"of the ranks that never joined, rank {rank}'s last line before the first traceback says it went on "
                "to other work after its last step, where the waiting ranks' last lines are that step's progress")
+    elif timed_out == {root.rank} and any(f.rule.id in SPAWN_RULES for f in findings):
+        # mp.spawn's report holds the first child's error alone: the children hand their tracebacks to the
+        # parent (they print none) and the parent terminates the rest once one has raised, so one rank's
+        # timeout says nothing of where the others were; it may be the one that took another path, or one
+        # of those that waited for it
+        rank = went_on_alone(scan, keys, first.source, began)
+        rank = rank if rank != root.rank else None
+        why = (f"rank {rank}'s last line before the traceback says it went on to other work after its last step, "
+               "where every other rank's last line is that step's progress: it is the rank the others waited for")
     if rank is None:
         return root
     return replace(root, rank=rank, ranks=(rank,), confidence=min(root.confidence, 0.5), reasons=root.reasons + (why,))

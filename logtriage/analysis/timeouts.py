@@ -13,6 +13,7 @@ from collections.abc import Callable
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.lost_peers import lost_a_peer
 from logtriage.analysis.roots import RankFacts, RootCause, earliest
+from logtriage.analysis.rule_readings import SPAWN_RULES
 from logtriage.analysis.timeout_groups import EVERY_RANK_WAITED
 from logtriage.analysis.wait_picture import WaitPicture, picture_of
 from logtriage.catalog.rule import Role
@@ -149,6 +150,13 @@ def _lone_waiter(p: WaitPicture) -> RootCause | None:
     # skipped): the lone rank took the other path. One slow rank makes the opposite picture,
     # all but one waiting; and a paste of one rank's output says nothing of the others.
     lone = waiters[0]
+    if any(f.rule.id in SPAWN_RULES for f in p.findings):
+        # mp.spawn prints the first child's error alone and terminates the rest: the others' waits never
+        # reach the log, and the one timeout may be the rank that took another path or one that waited for it
+        return RootCause(p.first.rule, p.first, lone, (lone,), 0.35, (
+            f"rank {lone}'s is the only timeout in the log, but mp.spawn reports the first child's error alone and "
+            f"terminates the others: ranks {ranges(list(missing), limit=8)} may have waited too, so rank {lone} took "
+            "a different path from theirs or waited for the one that did",))
     return RootCause(p.first.rule, p.first, lone, (lone,), 0.45, (
         f"rank {lone} is the only rank that timed out in this collective; ranks {ranges(list(missing), limit=8)} "
         f"were all elsewhere together, so rank {lone}'s code took a different path from theirs",))
