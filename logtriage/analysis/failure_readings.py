@@ -78,7 +78,7 @@ def read_failure(ev: Evidence) -> RootCause | None:
     root = dcp_named_ranks(root, findings, scan.block_exceptions)
     root = probe_json_without_banner(root, bool(scan.banner_lines), catalog)
     root = size_abort_sender(different_collectives_at_one_seq(root, findings, catalog), scan, keys, findings,
-                             facts.known)
+                             facts.known, facts.last_step)
     root = loss_outlier_rank(scan, keys, shared_nan_then_one_check(scan, keys, root, findings))
     root = own_loss_check(finite_invalid_values(scan, root, catalog), findings, catalog)
     root = watchdog_spared_rank(late_rank_went_on(scan, keys, root, findings), findings, facts)

@@ -3,7 +3,9 @@ narrower dtype (a bfloat16 model among float32 ones), or the neighbour of a rank
 float64 model sends twice the bytes its float32 neighbour waits for, and that neighbour aborts while
 the float64 rank only sees the connection reset). The abort's `216 vs 108` cannot tell which; the
 ranks' own lines can, where they name their dtypes (`rank 2 world 4 params torch.float64`): the
-one rank that names a dtype no other rank names is the one that differs. A rank that then asks the
+one rank that names a dtype no other rank names is the one that differs; and of the aborting rank and
+its ring neighbour, the one that printed a step no other rank reached skipped a collective the others
+made (its next call's larger message met theirs). A rank that then asks the
 host for a petabyte was sized by what it received from the rank that differs: the check is the cause."""
 
 from __future__ import annotations
@@ -106,24 +108,28 @@ def sized_by_mismatch(root: RootCause, findings: list[Finding]) -> RootCause:
 
 
 def size_abort_sender(root: RootCause, scan: ScanResult, keys: list[StreamKey], findings: list[Finding],
-                      known: set[int]) -> RootCause:
+                      known: set[int], last_step: dict[int, int]) -> RootCause:
     """Who sent the message gloo's size check refused: the one rank whose lines name another dtype, else
-    the one rank whose send broke; where neither tells, the report names the neighbour to compare."""
+    the one rank whose send broke; where neither tells, the one of the two ranks it can be that ran a step
+    ahead of all the others, else the report names the neighbour to compare."""
     read = p2p_sender_rank(odd_dtype_rank(root, scan, keys), findings)
-    return sender_may_be_a_neighbour(read, findings, known) if read is root else read
+    return sender_may_be_a_neighbour(read, findings, known, last_step) if read is root else read
 
 
 _GATHERS = frozenset({"all_gather", "all_gather_into_tensor", "all_gather_object", "_all_gather_base", "gather"})
 _REDUCES = frozenset({"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"})
 
 
-def sender_may_be_a_neighbour(root: RootCause, findings: list[Finding], known: set[int]) -> RootCause:
+def sender_may_be_a_neighbour(root: RootCause, findings: list[Finding], known: set[int],
+                              last_step: dict[int, int]) -> RootCause:
     """Gloo's size check names only the rank that RECEIVED more bytes than it expected. That rank
     differs itself when its tensor is the smaller one; when the odd rank's tensor is the larger one,
     its neighbour aborts instead: in a ring all_gather the rank after the sender, in an all_reduce the
     rank before it (over 233 labelled CPU runs with one aborting rank, the odd rank was the aborter in
     118, the rank before it in 74, the rank after it in 41). The log cannot tell the cases apart, so
-    the rank stays and the report says which two ranks to compare."""
+    the rank stays and the report says which two ranks to compare, unless one of the two printed a later
+    step than every other rank: it skipped a collective the others made and went on to the next one (a
+    gradient all_reduce), whose larger message met the others' smaller one (`ran_ahead`)."""
     f = root.finding
     if (root.rule.id != SIZE_RULE or root.rank is None or f is None or _RECEIVED_MORE not in f.text
             or len(known) < 3 or root.rank not in known):
@@ -132,13 +138,31 @@ def sender_may_be_a_neighbour(root: RootCause, findings: list[Finding], known: s
     before, after = (root.rank - 1) % world, (root.rank + 1) % world
     collectives = {w.collective for w in findings if w.rank is not None and w.collective}
     if collectives and collectives <= _GATHERS:
+        senders = (before,)
         which = f"rank {before}, the rank before it in the all_gather's ring, if rank {before}'s tensor was the larger"
     elif collectives and collectives <= _REDUCES:
+        senders = (after,)
         which = f"rank {after}, the rank after it in the all_reduce's ring, if rank {after}'s tensor was the larger"
     else:
+        senders = (before, after)
         which = (f"rank {before} (in an all_gather) or rank {after} (in an all_reduce), the ring neighbour that "
                  "sent to it, if that rank's tensor was the larger")
+    ahead = ran_ahead(last_step, known)
+    if ahead is not None and ahead in (root.rank, *senders):
+        return replace(root, rank=ahead, ranks=(ahead,), confidence=min(root.confidence, 0.5), reasons=(
+            *root.reasons, f"gloo's check aborted rank {root.rank} on receiving more bytes than it expected; rank "
+            f"{ahead} printed step {last_step[ahead]}, a step no other rank reached: it skipped a collective the others "
+            "made, and its next one's larger message met their smaller one"))
     return replace(root, reasons=(*root.reasons, (
         f"gloo's check aborts the rank that received more bytes than it expected: rank {root.rank} itself if its "
         f"tensor was the smaller one, or {which}; the log cannot tell which, so compare the sizes and dtypes "
         "those ranks pass to this collective")))
+
+
+def ran_ahead(last_step: dict[int, int], known: set[int]) -> int | None:
+    """The one rank whose last step is later than every other known rank's, each of which printed one."""
+    if len(known) < 3 or set(last_step) < known:
+        return None
+    top = max(last_step[r] for r in known)
+    leaders = [r for r in known if last_step[r] == top]
+    return leaders[0] if len(leaders) == 1 else None
