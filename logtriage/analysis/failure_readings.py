@@ -14,6 +14,7 @@ from logtriage.analysis.exceptions import checkpoint_io, probe_json_without_bann
 from logtriage.analysis.frame_readings import frame_reading
 from logtriage.analysis.ext_build import own_source_compile_error
 from logtriage.analysis.findings import srun_tasks_are_nodes
+from logtriage.analysis.gave_up import gave_up_before_its_peers
 from logtriage.analysis.hangs import finished_then_stopped
 from logtriage.analysis.interrupted_work import stopped_mid_work, waits_the_stop_ended
 from logtriage.analysis.invalid_values import finite_invalid_values, own_loss_check
@@ -58,6 +59,7 @@ def read_failure(ev: Evidence) -> RootCause | None:
         root = peers_over_node_exit(root, findings)
     if root.rule.id in PEER_LEFT_RULES:
         root = stopped_early_peer(scan, keys, peer_that_left(root, findings, facts, catalog), facts)
+        root = gave_up_before_its_peers(scan, keys, root, findings, catalog)
     if root.rule.role is Role.CASCADE_CANDIDATE:
         root = unique_id_host_left(root, catalog)
     root = remote_origin(sized_by_mismatch(root, findings), findings, facts)

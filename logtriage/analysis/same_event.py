@@ -51,9 +51,11 @@ def _build_reraised(findings: list[Finding]) -> list[Finding]:
     return [f for f in findings if not ((f.source, f.block_id) in raised and _NINJA_FAILED.search(f.text))]
 
 
+# (`...; using default 0.5`, `...; using 0.0`: a value put in place of what failed, after a separator)
 _GOING_ON = re.compile(r"\b(?:continu(?:e|es|ing)|retry(?:ing)?|will retry|skipp(?:ing|ed)|fall(?:ing)? ?back"
                        r"|ignor(?:e|es|ed|ing)|disabled|without (?:metrics|logging|telemetry|wandb|tensorboard)"
-                       r"|rebuild(?:s|ing)?|recreat(?:e|es|ing)|reopen(?:s|ing)?)\b", re.IGNORECASE)
+                       r"|rebuild(?:s|ing)?|recreat(?:e|es|ing)|reopen(?:s|ing)?)\b"
+                       r"|[;,] (?:using|use) (?:the |a )?(?:defaults?\b|fallback\b|[-+]?\d)", re.IGNORECASE)
 # a going-on word the record denies (`refusing to continue`, `cannot continue`, `will not retry`)
 _DENIED = re.compile(r"\b(?:refus(?:e|es|ed|ing) to|cannot|can't|can not|unable to|not|won't|will not|no longer"
                      r"|never)\s+$", re.IGNORECASE)
@@ -68,7 +70,7 @@ def _logged_going_on(findings: list[Finding], blocks: dict[int, tuple[int, int, 
     the program carries on (`metrics server unreachable ...; continuing without metrics`, `loss is nan,
     skipping step 2`, `WARNING: loader failed (... Input/output error ...); rebuilding loader`) is no
     failure of the run, and neither is the traceback logged right under it
-    (`logger.exception("eval hook failed; continuing")`)."""
+    (`logger.exception("eval hook failed; continuing")`, `...("hardness lookup failed, using default 0.5")`)."""
     going = {(f.source, f.line): f for f in findings
              if (f.rule.id in (LOGGED_ERROR, LOSS_NAN) or _WARNING_RECORD.search(f.text)) and _says_going_on(f.text)}
     if not going:
