@@ -1,7 +1,9 @@
 """A worker that said why it gave up: its own line, before the launcher reported its exit code, that ends on
 the word that it gives up, after a reason (`rank 2: shard part-002.npz has 0 rows after the label filter;
-aborting`), or that says what it aborted and then why (`sys.exit("meadow survey aborted, no readings left")`). The exit code is then no failure without a message: the program ended itself on purpose, and its
-line says why."""
+aborting`), or that says what it aborted and then why (`sys.exit("meadow survey aborted, no readings left")`).
+The exit code is then no failure without a message: the program ended itself on purpose, and its line says
+why. A rank its peers lost with no launcher line of its exit is read the same way, from its last lines before
+the first lost connection."""
 
 from __future__ import annotations
 
@@ -88,4 +90,4 @@ def _said_why(scan: ScanResult, keys: list[StreamKey], root: RootCause, source: 
 def _names_rank(piece: str, rank: int) -> bool:
     """Whether a line no stream claims names the rank in its words (`hoodoo rank 0: caprock table ...`,
     `... aborted on rank 0: ...`), where no rank marker at its head says whose it is."""
-    return re.search(rf"\brank {rank}\b", piece, re.IGNORECASE) is not None
+    return re.search(rf"\brank\s*{rank}\b", piece, re.IGNORECASE) is not None

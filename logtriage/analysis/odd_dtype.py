@@ -161,7 +161,7 @@ def sender_may_be_a_neighbour(root: RootCause, findings: list[Finding], known: s
 
 def ran_ahead(last_step: dict[int, int], known: set[int]) -> int | None:
     """The one rank whose last step is later than every other known rank's, each of which printed one."""
-    if len(known) < 3 or set(last_step) < known:
+    if len(known) < 3 or not known <= set(last_step):
         return None
     top = max(last_step[r] for r in known)
     leaders = [r for r in known if last_step[r] == top]
