@@ -252,6 +252,10 @@ def classify(buf, rank_hint, labels, starts, messages, ranks, flags, cuts, ranks
                     flag = NOT_PLAIN
         if flag == 0 and buf[c] == 114 and bare_glued(buf, c, end):
             flag = NOT_PLAIN   # `rank 1 step 0 ... 0.125rank 2: ERROR ...`: two ranks' prints, cut by the exact path
+        if flag == 0 and not redrawn and brackets[n] >= 1 and bar_then_text(buf, c, end):
+            # a bar with another rank's print glued after its rate (`rank2 erosion:   0%|   | 0/6 [00:00<?,
+            # ?it/s]rank 0 step 0 ...`): the line is the print's, as the exact path reads it
+            flag = NOT_PLAIN
         if flag == 0 and c == i and brackets[n] >= 2 and user_marker_len(buf, c, end) > 0:
             # two ranks' prints glued on one line: `[rank 0] step 1 ...[rank 1] step 1 ...`
             lead = leading(buf, i, end)
