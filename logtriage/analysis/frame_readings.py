@@ -3,7 +3,8 @@ it is raised. A ZeroDivisionError in OpenMMLab's init_dist is "no GPU visible"; 
 out of input` in a spawn child's `_main` is the parent failing to send the process's state (a
 pickling error), not a truncated checkpoint; a full disk with no checkpoint frame is the file
 system's, not a checkpoint's; CUDA's `initialization error` in a DataLoader worker is CUDA used in a
-forked child; a ValueError in torchrun's own option parsing is a bad launcher option; a host
+forked child; a ValueError in torchrun's own option parsing is a bad launcher option; a KeyError in
+os.environ's lookup is an environment variable unset in that process; a host
 allocation of terabytes inside an object collective is a size read out of another call's data (the
 ranks' calls do not match).
 
@@ -46,6 +47,9 @@ GARBAGE_SIZE_BYTES = 1 << 40   # 1 TiB asked for one object's buffer: no pickled
 # of one node read and write at once: a half-written entry reads as truncated pickle or JSON
 _COMPILE_CACHE_FILE = re.compile(r"torch/_inductor/(?:codecache|runtime/autotune_cache)\.py$|/torchinductor_[^/]*/")
 _HALF_WRITTEN = frozenset({"UnpicklingError", "EOFError", "JSONDecodeError"})
+# os.environ's lookup: `File "<frozen os>", line 679, in __getitem__` (Python 3.11+), `.../lib/python3.8/os.py`
+_ENVIRON_FILE = re.compile(r"^<frozen os>$|/os\.py$")
+_KEY = re.compile(r"KeyError: '([^']+)'")
 # `module 'torch.library' has no attribute 'wrap_triton'`: the module's top-level package in group 1
 _MODULE_ATTRIBUTE = re.compile(r"module '([A-Za-z_]\w*)[\w.]*' has no attribute '\w+'")
 
@@ -170,6 +174,16 @@ def _shadowed_module(root: RootCause, f: Finding, kind: str) -> Reading | None:
                                       "own included")
 
 
+def _unset_variable(root: RootCause, f: Finding, kind: str) -> Reading | None:
+    if kind != "KeyError" or not _generic(root, f, kind) or f.last_frame != "__getitem__" \
+            or not _ENVIRON_FILE.search(f.last_file):
+        return None
+    key = _KEY.search(f.text)
+    name = f"`{key.group(1)}`" if key else "it asked for"
+    return "env.program_variable_unset", (f"the KeyError is raised in os.environ's `__getitem__`: the environment "
+                                          f"variable {name} is not set in this process's environment")
+
+
 def _empty_pickle_of_its_own(root: RootCause, f: Finding, kind: str) -> Reading | None:
     if kind != "EOFError" or root.rule.id != "ckpt.corrupt_archive" or not f.last_frame or f.checkpoint_frame:
         return None
@@ -181,7 +195,7 @@ def _empty_pickle_of_its_own(root: RootCause, f: Finding, kind: str) -> Reading 
 FRAME_READINGS: tuple[Callable[[RootCause, Finding, str], Reading | None], ...] = (
     _gpu_count_division, _launcher_option, _spawn_child_eof, _cuda_in_forked_worker, _other_packages_api,
     _garbage_object_size, _compile_cache_race, _optimizer_params, _tmpdir_missing, _shared_memory_name, _fork_limit,
-    _disk_full_elsewhere, _shadowed_module, _empty_pickle_of_its_own)
+    _disk_full_elsewhere, _shadowed_module, _empty_pickle_of_its_own, _unset_variable)
 
 
 def frame_reading(root: RootCause, catalog: Catalog) -> RootCause:

@@ -61,8 +61,10 @@ def rank_the_timeouts_wait_for(first: Finding, live: list[Finding], facts: RankF
     waiting rank fail first."""
     if first.category in (Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR):
         return None
-    # the ranks that waited: timed out in a collective, or lost the peer that gave up waiting first
-    waited = {f.rank for f in live if f.rank is not None
+    # the ranks that waited: timed out in a collective, or lost the peer that gave up waiting first; a rank that
+    # timed out nowhere and met its peers' connections closed only after all of their timeouts arrived late
+    late = _met_them_closed_after(live)
+    waited = {f.rank for f in live if f.rank is not None and f.rank not in late
               and f.category in (Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR)}
     missing = facts.known - waited
     awaited = {int(m.group(1)) for f in live if (m := _AWAITED_RANK.search(f.captures.get("keys", "")))}
@@ -72,8 +74,24 @@ def rank_the_timeouts_wait_for(first: Finding, live: list[Finding], facts: RankF
         candidate = next(iter(missing))
     else:
         return None
-    speaks = any(f.rank == candidate and f.rule.id not in _LAUNCHER_EXITS and not f.is_teardown for f in live)
+    speaks = any(f.rank == candidate and f.rule.id not in _LAUNCHER_EXITS and not f.is_teardown
+                 and not (f.rank in late and f.rule.id in PEER_LEFT_RULES) for f in live)
     return None if speaks else candidate
+
+
+def _met_them_closed_after(live: list[Finding]) -> set[int]:
+    """Ranks that did not time out, whose errors of a collective are all a peer's closed connection printed
+    after every timeout in the log: the others had given up waiting and closed their connections before this
+    rank came to its collective (or the launcher's stop made its handler call one)."""
+    timeouts = [f.seq for f in live if f.rank is not None and f.category is Category.COLLECTIVE_TIMEOUT]
+    if len(timeouts) < 2:
+        return set()
+    last = max(timeouts)
+    timed_out = {f.rank for f in live if f.category is Category.COLLECTIVE_TIMEOUT}
+    own = [f for f in live if f.rank is not None and f.rank not in timed_out
+           and f.category is Category.COLLECTIVE_ERROR]
+    ranks = {f.rank for f in own}
+    return {r for r in ranks if all(f.rule.id in PEER_LEFT_RULES and f.seq > last for f in own if f.rank == r)}
 
 
 # the store key of a rank's address that gloo's connectFullMesh waits for: `/default_pg/0//cpu//0/2`

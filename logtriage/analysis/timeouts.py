@@ -8,6 +8,7 @@ a wait every rank took part in are in `timeout_groups`."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from logtriage.analysis.findings import Finding
@@ -20,6 +21,12 @@ from logtriage.catalog.rule import Role
 from logtriage.rank_ranges import ranges
 
 RPC_TIMEOUT_RULE = "dist.rpc_timeout"
+# gloo's wait on a send or recv of its own that no peer matched (`Timed out waiting 12000ms for send operation to
+# complete`, unbound_buffer.cc), raised in a point-to-point call or in the job's own `work.wait()` on an isend/irecv
+_P2P_WAIT = re.compile(r"\bfor (send|recv) operation to complete\b")
+P2P_CALLS = {"send": frozenset({"send", "isend", "batch_isend_irecv"}),
+             "recv": frozenset({"recv", "irecv", "batch_isend_irecv"})}
+_TORCH_FILE = re.compile(r"/torch/")
 
 
 def named_culprit(live: list[Finding]) -> int | None:
@@ -83,6 +90,36 @@ def _enqueued_fewer(p: WaitPicture) -> RootCause | None:
     return RootCause(p.first.rule, p.first, rank, (rank,), 0.6, (
         f"rank {rank} had enqueued NCCL work up to {low}, every other rank up to {high}: it never issued "
         "the collective the others waited in",))
+
+
+def _unmatched_send(p: WaitPicture) -> RootCause | None:
+    """One rank timed out waiting for a point-to-point send of its own to be taken (not inside a
+    collective or DDP's backward, whose rings send too): no peer posted a receive that matched it.
+    Its message had a tag, a destination or a size its peer's recv did not ask for, and the peer
+    that expected it timed out in that recv or waited in the next collective; the others went on.
+    Only where every rank has an error of its own here: a rank that stalled or died silently (a
+    pipeline stage that hung) leaves its sender waiting just the same, and is the one to name."""
+    if not p.facts.known or not p.facts.known <= p.timed_out | p.peer_closed:
+        return None
+    senders, receivers = _point_to_point(p.timeouts, "send"), _point_to_point(p.timeouts, "recv")
+    if len({f.rank for f in senders}) != 1 or len({f.rank for f in receivers}) != 1 \
+            or senders[0].rank == receivers[0].rank:
+        return None
+    sent, peer = senders[0], receivers[0].rank
+    rank = sent.rank
+    return RootCause(sent.rule, sent, rank, (rank, peer), 0.4, (
+        f"rank {rank} timed out waiting for a point-to-point send of its own (`{sent.last_frame}`) to be received and "
+        f"rank {peer} waiting in a point-to-point recv, while every other rank has an error of its own here (none "
+        "stalled silently): the pair's send and recv did not match (a tag, peer or size that differs); the log does "
+        "not say which side passed the wrong argument, and the sending rank is the guess",))
+
+
+def _point_to_point(timeouts: tuple[Finding, ...], kind: str) -> list[Finding]:
+    """The timeouts of a point-to-point send or recv: in c10d's send/recv, or in the job's own wait on the work of
+    an isend/irecv (no torch frame after it), not in a collective or DDP's backward, whose rings send too."""
+    return [f for f in timeouts if f.rank is not None and (m := _P2P_WAIT.search(f.text)) and m.group(1) == kind
+            and (f.collective in P2P_CALLS[kind]
+                 or (not f.collective and f.last_file and not _TORCH_FILE.search(f.last_file)))]
 
 
 def _extra_on_the_waiting_side(p: WaitPicture) -> RootCause | None:
@@ -190,5 +227,5 @@ def _several_missing(p: WaitPicture) -> RootCause | None:
 
 
 READINGS: tuple[Callable[[WaitPicture], RootCause | None], ...] = (
-    _rpc, _debug_report, _enqueued_fewer, _extra_on_the_waiting_side, _broadcast_source, _one_missing,
+    _rpc, _debug_report, _enqueued_fewer, _unmatched_send, _extra_on_the_waiting_side, _broadcast_source, _one_missing,
     _lone_waiter, _waiters_left_behind, _several_missing) + EVERY_RANK_WAITED
