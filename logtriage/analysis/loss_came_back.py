@@ -5,7 +5,8 @@ before any was computed, a batch a guard skipped, a loss-scale overflow the scal
 error of the run (a control run of the cpu_adhoc 558th batch, a `transformers.Trainer` under torchrun, exited 0
 after exactly this). Only a progress line of a later step counts: a rank's buffered stdout, printed after the error (torchrun's
 `--tee`), holds the steps before it. A loss that stays NaN (no finite loss at a later step from that rank within
-`WINDOW` lines) stays the error, and so does one a traceback raised.
+`WINDOW` lines) stays the error, and so does one a traceback raised. A rank stopped before its next progress line
+(killed) whose NaN loss every other rank printed at the same step and went on from printed the same placeholder.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def mark_loss_came_back(findings: list["Finding"], scan: ScanResult, keys: list[
     for stream in {f.stream for f in printed}:
         ours = sorted((f for f in printed if f.stream == stream), key=lambda f: (f.source, f.line))
         back |= _came_back(ours, scan, keys, stream)
+    back |= _alike_on_the_others(printed, back)
     return [replace(f, went_on=True) if (f.source, f.line) in back and f.rule.id == LOSS_NAN_RULE else f
             for f in findings]
 
@@ -62,6 +64,25 @@ def _came_back(ours: list["Finding"], scan: ScanResult, keys: list[StreamKey], s
             finite_at = (finding.source, line)
             back.add(here)
     return back
+
+
+def _alike_on_the_others(printed: list["Finding"], back: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """(source, line) of NaN losses a rank printed at a step where every other rank that printed one went on from it
+    (two at least): the same placeholder everywhere (a Trainer callback's first loss), on a rank stopped before its
+    next progress line (killed, or failing for another reason); not where that rank printed a NaN loss later on."""
+    at_step: dict[int, list["Finding"]] = {}
+    for f in printed:
+        at_step.setdefault(step_number(f.text), []).append(f)
+    alike: set[tuple[int, int]] = set()
+    for step, printed_then in at_step.items():
+        went_on = {f.rank for f in printed_then if (f.source, f.line) in back}
+        stayed = [f for f in printed_then if (f.source, f.line) not in back]
+        if len(went_on) < 2 or any(f.rank in went_on for f in stayed):
+            continue
+        for f in stayed:
+            if not any(g.rank == f.rank and step_number(g.text) > step for g in printed):
+                alike.add((f.source, f.line))
+    return alike
 
 
 def _finite_loss_after(finding: "Finding", scan: ScanResult, keys: list[StreamKey], stream: StreamKey) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, field
 from enum import Enum
@@ -118,7 +119,7 @@ def compare(expect: Expectation, report: Mapping[str, Any]) -> list[str]:
               ("rank", expect.rank, rc.get("rank")), ("exception_type", expect.exception_type, rc.get("exception_type")))
     for name, want, got in checks:
         if name == "exception_type" and want is not None and got is not None:
-            want, got = want.rsplit(".", 1)[-1], got.rsplit(".", 1)[-1]
+            want, got = short_name(want), short_name(got)
         if want is not None and want != got:
             problems.append(f"{name} {got!r}, expected {want!r}")
     if expect.ranks is not None and sorted(expect.ranks) != sorted(rc.get("ranks") or []):
@@ -133,3 +134,9 @@ def _expectation_of(log: Path) -> Path:
     """`X.log` or `X.log.gz` -> `X.expect.toml` beside it."""
     name = log.name.removesuffix(".gz").removesuffix(".log")
     return log.with_name(name + EXPECT_SUFFIX)
+
+
+def short_name(exception_type: str) -> str:
+    """An exception's class name without its module or namespace (`torch.distributed.checkpoint.api.X`, a C++
+    `gloo::EnforceNotMet`): a label may name either form."""
+    return re.split(r"\.|::", exception_type)[-1]
