@@ -82,6 +82,9 @@ _MODEL_PATH_WORDS = (_CHECKPOINT_WORDS + r"|latest|pretrain|resume|warm|param|te
                      r"head|base|adapter|lora|tun|export|save|run|exp|trained|extract|检查点|模型")
 _NO_CHECKPOINT_WORD_IN_PATH = re.compile(
     r"No such file or directory: '(?![^']*(?:" + _MODEL_PATH_WORDS + r"))[^']*\.pth?'", re.IGNORECASE)
+# a DataLoader worker's exception re-raised by its rank (`Caught FileNotFoundError in DataLoader worker process 0.`):
+# what a worker opens is data (the Dataset's files)
+_IN_LOADER_WORKER = re.compile(r"\bin DataLoader worker process \d+")
 FILE_NOT_FOUND_RULE = "python.file_not_found"
 DATA_FILE_RULE = "data.file_not_found"
 _MISSING_PATH = re.compile(r"is not a valid (?:directory|file|path)|does not exist|(?:not found|No such file)\b")
@@ -101,7 +104,8 @@ _CLASS_NOT_HERE = re.compile(r"Can't get attribute '[\w.]+' on <module '")
 def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
     f = root.finding
     data_file = f is not None and (_DATA_FILE.search(f.text) is not None or _NO_CHECKPOINT_WORD_IN_PATH.search(
-        f.text) is not None) and not _CHECKPOINT_NAMED.search(f.text)
+        f.text) is not None or _IN_LOADER_WORKER.search(f.block_exception) is not None) \
+        and not _CHECKPOINT_NAMED.search(f.text)
     if data_file and root.rule.id in ("ckpt.not_found", FILE_NOT_FOUND_RULE):
         # torch.load of a data file saved with torch.save (a shard under data/, a cache of a teacher's
         # logits, a graph partition): a checkpoint's suffix, but the file is data; and any missing file
@@ -110,7 +114,7 @@ def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
                                                             "A data file does not exist")
         return replace(root, rule=rule, reasons=root.reasons + (
             "the missing file is data by its name (a shard, a split, a folder of data; saved with torch.save, "
-            "read with torch.load), not a checkpoint",))
+            "read with torch.load) or by who read it (a DataLoader worker), not a checkpoint",))
     if f is not None and root.rule.id == WRITE_FAILED_RULE and _OUTPUT_WRITTEN.search(f.text):
         return read_as(root, catalog, GENERIC_EXCEPTION_RULE, "the file torch.save could not write is the program's "
                        "output by its name (samples, predictions, embeddings, plots), not a checkpoint")
