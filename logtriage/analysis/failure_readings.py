@@ -13,7 +13,7 @@ from logtriage.analysis.evidence import Evidence
 from logtriage.analysis.exceptions import checkpoint_io, probe_json_without_banner
 from logtriage.analysis.frame_readings import frame_reading
 from logtriage.analysis.ext_build import own_source_compile_error
-from logtriage.analysis.findings import srun_tasks_are_nodes
+from logtriage.analysis.findings import Finding, srun_tasks_are_nodes
 from logtriage.analysis.gave_up import gave_up_before_its_peers
 from logtriage.analysis.hangs import finished_then_stopped
 from logtriage.analysis.interrupted_work import stopped_mid_work, waits_the_stop_ended
@@ -70,7 +70,7 @@ def read_failure(ev: Evidence) -> RootCause | None:
     if root.rule.category is Category.EXTERNAL_STOP:
         root = _read_stop(ev, root)
     root = timer_reaped(waited_for_a_crash(refused_result_first(root, findings), findings), findings)
-    if root.rule.id == "signal.sigkill" and not scan.cpu_backend:
+    if root.rule.id == "signal.sigkill" and not scan.cpu_backend and _gpu_job(findings):
         root = sigkill_on_gpu_job(root, findings, catalog)
     root = own_source_compile_error(scan, unresolved_host(root, findings), catalog)
     if root.rule.id == "nccl.invalid_rank":
@@ -110,3 +110,9 @@ def _read_stop(ev: Evidence, root: RootCause) -> RootCause:
     root = stopped_in_stride(scan, keys, root, findings, facts, catalog)
     root = notice_ended_hang(scan, root, findings, ev.notices, facts, catalog)
     return waits_the_stop_ended(stopped_mid_work(scan, keys, root, catalog), findings, facts.known, catalog)
+
+
+def _gpu_job(findings: list[Finding]) -> bool:
+    """Whether anything in the log is a GPU's: a finding of NCCL or CUDA, or of a GPU's memory or runtime."""
+    return any(f.rule.id.startswith(("nccl.", "cuda.")) or f.category in (Category.GPU_OOM, Category.CUDA_RUNTIME)
+               for f in findings)

@@ -34,13 +34,28 @@ def rank_among_alike(first: Finding, group: list[Finding], live: list[Finding], 
         rank = min(ranks)
     if all(f.attributed_by == "launcher" for f in group) and facts.summary_root in ranks:
         rank = facts.summary_root   # only the launcher's reports: the one it observed first
-    refined = refine_rank(first, live, ranks)
+    refined = refine_rank(first, live, ranks) or _a_step_behind(ranks, facts)
     if refined is not None:
         if refined[0] != rank:   # one rank's own sign came first: not a bug they all share
             reasons[-1] = f"the same error on {len(ranks)} ranks"
             reasons.append(refined[1])
         rank = refined[0]
     return rank, reasons
+
+
+def _a_step_behind(ranks: tuple[int, ...], facts: RankFacts) -> tuple[int, str] | None:
+    """Of ranks that raised the same error, the one whose last progress line is a step before every other's
+    (which agree): it raised in that step, the others a step later (they cannot run ahead of a rank further
+    than the collectives of one step allow)."""
+    steps = {r: facts.last_step[r] for r in ranks if r in facts.last_step}
+    if len(steps) != len(ranks) or len(ranks) < 3:
+        return None
+    low = min(steps.values())
+    behind = [r for r, s in steps.items() if s == low]
+    if len(behind) != 1 or len(set(steps.values())) != 2 or max(steps.values()) != low + 1:
+        return None
+    return behind[0], (f"rank {behind[0]}'s last progress line is step {low}, every other rank's step {low + 1}: "
+                       "it raised a step before the others")
 
 
 def rank_of_a_line_without_one(first: Finding, live: list[Finding], facts: RankFacts) -> tuple[int, str] | None:

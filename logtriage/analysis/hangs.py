@@ -113,7 +113,7 @@ def world_incomplete(findings: list[Finding], catalog: Catalog, stop: RootCause 
     if not members or len(worlds) != 1:
         return None
     world = worlds.pop()
-    claimed = Counter(f.rank for f in members)
+    claimed = _announcers(members)
     repeated = sorted(r for r, n in claimed.items() if n > 1)
     missing = sorted(set(range(world)) - claimed.keys()) if world <= 65536 else []
     if not repeated and not missing:
@@ -137,6 +137,20 @@ def world_incomplete(findings: list[Finding], catalog: Catalog, stop: RootCause 
     if rule.category is Category.HANG:   # the missing ranks are the ones to look at
         return RootCause(rule, first, missing[0] if len(missing) == 1 else None, tuple(missing), 0.4, tuple(reasons))
     return RootCause(rule, first, None, tuple(repeated), 0.5, tuple(reasons))
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+def _announcers(members: list[Finding]) -> Counter:
+    """How many processes announced each global rank: its announcements in one format (the text before the
+    announcement, digits aside). One record printed by two log handlers (`INFO: Initializing distributed: ...` and
+    `2026-12-07 21:47:25,822 INFO lightning.fabric...: Initializing distributed: ...`) is one process's."""
+    formats = Counter((f.rank, _DIGITS.sub("0", f.text.split("Initializing distributed", 1)[0])) for f in members)
+    claimed: Counter = Counter()
+    for (rank, _), count in formats.items():
+        claimed[rank] = max(claimed[rank], count)
+    return claimed
 
 
 def fallback_rule(rule_id: str, category: Category, title: str) -> Rule:

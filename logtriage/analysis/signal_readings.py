@@ -53,10 +53,11 @@ def stop_after_task_failure(root: RootCause, findings: list[Finding]) -> RootCau
 
 
 def sigkill_on_gpu_job(root: RootCause, findings: list[Finding], catalog: Catalog) -> RootCause:
-    """A worker killed by SIGKILL, with no message of its own, in a job that is not a CPU/gloo
-    run: on GPU nodes the sender is, in practice, the kernel's OOM killer (host RAM exhausted by
-    data loading, checkpoint loading to CPU, too many DataLoader workers), unless the scheduler
-    says it stopped the job (`CANCELLED ... DUE to SIGNAL Killed`, a revoked allocation)."""
+    """A worker killed by SIGKILL, with no message of its own, in a job whose log shows a GPU (an NCCL or
+    CUDA line; not a CPU/gloo run): on GPU nodes the sender is, in practice, the kernel's OOM killer
+    (host RAM exhausted by data loading, checkpoint loading to CPU, too many DataLoader workers), unless
+    the scheduler says it stopped the job (`CANCELLED ... DUE to SIGNAL Killed`, a revoked allocation).
+    A log that shows no device stays a kill of either kind (signal.sigkill says how to tell them apart)."""
     stop = next((f for f in findings if f.is_error and f.category is Category.EXTERNAL_STOP
                  and f.rule.id.startswith("sched.")), None)
     if stop is not None:

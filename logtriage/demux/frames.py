@@ -75,6 +75,8 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
                 # the outermost frame: a thread's run (`Exception in thread X:`), or weakref.finalize's
                 # callbacks as the interpreter exits (printed, then the exit goes on with its code)
                 state["outermost"] = frame.group(3)
+            if "handler_in" in state:
+                state["outer_frame"] = state.get("last_frame", "")   # the handler's frame that called the last
             state["last_file"], state["last_frame"] = frame.group(2), frame.group(3)
             if "torch" not in frame.group(2) or not _TORCH_FILE.search(frame.group(2)):
                 state["caller"] = text   # (read only when a collective's frame follows: _site)
@@ -162,10 +164,13 @@ class TracebackFacts:
             self.threads.add(block_id)
         elif state.get("outermost") == "_exitfunc":
             self.exit_hooks.add(block_id)
-        if state.get("handler_in") and state.get("last_frame") not in _CLEANUP_FRAMES and (
-                state.get("last_frame") not in state["handler_in"] or _NOT_A_RAISE.match(state.get("last_code", ""))):
+        handler_in = state.get("handler_in")
+        if handler_in and not (state.get("last_frame") in _CLEANUP_FRAMES and state.get("outer_frame") in handler_in) \
+                and (state.get("last_frame") not in handler_in or _NOT_A_RAISE.match(state.get("last_code", ""))):
             # the handler's exception was raised in a function the first one never passed through: a
             # call the handler made failed (an emergency save, a barrier), not the handler re-raising
-            # (nor a `with` block's own cleanup, whose failure is the same operation's, often plainer);
-            # or in the same function, on a line that is no `raise` (a `finally:`'s `os.remove(path)`)
+            # (nor the own cleanup of a `with` block the first exception left, whose failure is the same
+            # operation's, often plainer; a `with` inside a call the handler made, torch.save's zip writer
+            # failing on exit, is that call's failure); or in the same function, on a line that is no `raise`
+            # (a `finally:`'s `os.remove(path)`)
             self.handler_calls_failed.add(block_id)
