@@ -21,7 +21,12 @@ def root_cause(slug: str) -> dict:
 
 def root_facts(slug: str) -> tuple:
     """(rule, category, rank, line, exception_type) of the root cause."""
-    rc = root_cause(slug)
+    return facts_of(sample_report(slug))
+
+
+def facts_of(report: dict) -> tuple:
+    """(rule, category, rank, line, exception_type) of a report's root cause."""
+    rc = report["root_cause"]
     return rc["rule_id"], rc["category"], rc["rank"], rc["line"], rc["exception_type"]
 
 

@@ -8,12 +8,7 @@ handler's broadcast) did not wait with them: an unprefixed thread exception is t
 from __future__ import annotations
 
 from logtriage.api import triage
-from sample_roots import SAMPLES, edited_report, sample_report
-
-
-def _root(report: dict) -> tuple:
-    rc = report["root_cause"]
-    return rc["rule_id"], rc["category"], rc["rank"], rc["line"], rc["exception_type"]
+from sample_roots import SAMPLES, edited_report, facts_of, sample_report
 
 
 ENV = "ptarmigan_env_missing_np3_r2_srunlabel"
@@ -22,19 +17,19 @@ ENV = "ptarmigan_env_missing_np3_r2_srunlabel"
 def test_a_keyerror_in_the_environments_lookup_is_an_unset_variable():
     # srun-style labels, 3 ranks: rank 2's `os.environ["PTARMIGAN_JOB_ID"]` raised in `<frozen os>` __getitem__
     report = sample_report(ENV)
-    assert _root(report) == ("env.program_variable_unset", "environment", 2, 8, "KeyError")
+    assert facts_of(report) == ("env.program_variable_unset", "environment", 2, 8, "KeyError")
     assert any("`PTARMIGAN_JOB_ID` is not set" in reason for reason in report["root_cause"]["reasons"])
 
 
 def test_the_same_keyerror_raised_in_the_programs_own_lookup_stays_its_exception(tmp_path):
     report = edited_report(ENV, 'File "<frozen os>", line 679, in __getitem__',
                            'File "/tmp/job/fault621.py", line 90, in lookup', tmp_path)
-    assert _root(report)[:3] == ("python.exception", "python_exception", 2)
+    assert facts_of(report)[:3] == ("python.exception", "python_exception", 2)
 
 
 def test_a_keyerror_from_the_environment_under_two_nodes_prefixes():
     # two torchrun agents as pdsh nodes: worker-1's rank 4 lacks NUMBAT_SITE_4
-    assert _root(sample_report("numbat_envmissing_np6_r4_pdsh2"))[:3] == (
+    assert facts_of(sample_report("numbat_envmissing_np6_r4_pdsh2"))[:3] == (
         "env.program_variable_unset", "environment", 4)
 
 
@@ -44,13 +39,13 @@ WATCHDOG = "numbat_watchdog_np8_r6_loglevel"
 def test_a_watchdog_that_names_the_work_that_stopped_progressing():
     # LOGLEVEL=INFO torchrun, 8 ranks: `[watchdog rank 6] no foraging progress for 4.3 s, killing this process`,
     # then os._exit(6): the agent reports local_rank 6 exitcode 6
-    assert _root(sample_report(WATCHDOG)) == ("hang.watchdog_heartbeat", "hang", 6, 44, None)
+    assert facts_of(sample_report(WATCHDOG)) == ("hang.watchdog_heartbeat", "hang", 6, 44, None)
 
 
 def test_without_the_watchdogs_words_the_exit_code_is_all_there_is(tmp_path):
     report = edited_report(WATCHDOG, "no foraging progress for 4.3 s, killing this process",
                            "foraging paused", tmp_path)
-    assert _root(report)[:3] == ("signal.exit_nonzero", "unknown", 6)
+    assert facts_of(report)[:3] == ("signal.exit_nonzero", "unknown", 6)
 
 
 P2P = "numbat_p2ptag_np4_r3_pymodule"
@@ -95,7 +90,7 @@ def test_an_unprefixed_thread_exception_belongs_to_the_rank_that_did_not_wait():
     # torchrun + Lightning, 5 ranks: `Exception in thread pool-prefetch-1` (no prefix), rank 1 then blocked on the
     # thread's queue; ranks 0, 2, 3, 4 timed out; rank 1, told to stop, lost its peers in Lightning's SIGTERM handler
     report = sample_report(THREAD)
-    assert _root(report) == ("python.exception", "python_exception", 1, 36, "RuntimeError")
+    assert facts_of(report) == ("python.exception", "python_exception", 1, 36, "RuntimeError")
     assert any("waited for rank 1" in reason for reason in report["root_cause"]["reasons"])
 
 

@@ -7,12 +7,7 @@ same error, the one whose last progress line is a step before all the others' ra
 
 from __future__ import annotations
 
-from sample_roots import edited_report, sample_report
-
-
-def _root(report: dict) -> tuple:
-    rc = report["root_cause"]
-    return rc["rule_id"], rc["category"], rc["rank"], rc["line"], rc["exception_type"]
+from sample_roots import edited_report, facts_of, sample_report
 
 
 FINALLY = "hyrax_finally_fail_np4_r1_pltee"
@@ -21,13 +16,13 @@ FINALLY = "hyrax_finally_fail_np4_r1_pltee"
 def test_a_save_that_failed_in_a_finally_block_is_the_handlers_own_failure():
     # torchrun --tee 3, 4 ranks: rank 1 raised ValueError; its `finally:` torch.save to /dev/full failed in the zip
     # writer's __exit__ ("During handling of the above exception, another exception occurred")
-    assert _root(sample_report(FINALLY)) == ("python.exception", "python_exception", 1, 13, "ValueError")
+    assert facts_of(sample_report(FINALLY)) == ("python.exception", "python_exception", 1, 13, "ValueError")
 
 
 def test_without_the_first_exception_the_save_is_the_failure(tmp_path):
     report = edited_report(FINALLY, "[default1]:[rank1]: During handling of the above exception, another exception "
                            "occurred:", "[default1]:", tmp_path)
-    assert _root(report)[:3] == ("ckpt.write_failed", "checkpoint", 1)
+    assert facts_of(report)[:3] == ("ckpt.write_failed", "checkpoint", 1)
 
 
 def test_one_record_through_two_log_handlers_is_no_repeated_rank():
@@ -40,7 +35,7 @@ def test_one_record_through_two_log_handlers_is_no_repeated_rank():
 def test_a_bare_sigkill_with_no_sign_of_a_gpu_is_a_kill_of_either_kind():
     # torchrun --tee 3, 5 ranks: rank 3 SIGKILLed itself; the log names neither gloo nor a GPU
     report = sample_report("saguaro_sigkill_np5_r3_tee")
-    assert _root(report)[:3] == ("signal.sigkill", "crash_signal", 3)
+    assert facts_of(report)[:3] == ("signal.sigkill", "crash_signal", 3)
 
 
 def test_a_bare_sigkill_in_a_log_with_an_nccl_warning_is_the_oom_killer(tmp_path):
@@ -49,7 +44,7 @@ def test_a_bare_sigkill_in_a_log_with_an_nccl_warning_is_the_oom_killer(tmp_path
                            "[default1]:algo-1:249:249 [0] ofi_init:1288 NCCL WARN NET/OFI Only EFA provider is "
                            "supported\n[default1]:rank 1 step 1 loss",
                            tmp_path)
-    assert _root(report)[:3] == ("host.oom_killer", "host_oom", 3)
+    assert facts_of(report)[:3] == ("host.oom_killer", "host_oom", 3)
 
 
 def test_of_ranks_that_raised_alike_the_one_a_step_behind_went_first():

@@ -9,17 +9,12 @@ from __future__ import annotations
 
 from logtriage.api import triage
 from logtriage.regress.cases import short_name
-from sample_roots import SAMPLES, edited_report, sample_report
-
-
-def _root(report: dict) -> tuple:
-    rc = report["root_cause"]
-    return rc["rule_id"], rc["category"], rc["rank"], rc["line"], rc["exception_type"]
+from sample_roots import SAMPLES, edited_report, facts_of, sample_report
 
 
 def test_an_all_to_all_input_not_divisible_by_the_world_is_a_size_the_ranks_disagree_on():
     # torchrun --tee 3 + Lightning, 8 ranks: rank 7's all_to_all_single input does not divide by 8
-    assert _root(sample_report("wallaby_a2a_size_np8_r7_pltee")) == (
+    assert facts_of(sample_report("wallaby_a2a_size_np8_r7_pltee")) == (
         "gloo.invalid_tensor_size", "collective_mismatch", 7, 170, "RuntimeError")
 
 
@@ -32,7 +27,7 @@ def test_an_all_to_all_output_of_another_size_in_a_folder_of_rank_files():
 
 def test_an_output_list_of_another_length_stays_the_ranks_own_misuse():
     # all_gather into a list of 2 on a world of 3: the rank's own call, not a shape its peers disagree on
-    assert _root(sample_report("gather_len_np3_r2_loglevel"))[:3] == ("python.exception", "python_exception", 2)
+    assert facts_of(sample_report("gather_len_np3_r2_loglevel"))[:3] == ("python.exception", "python_exception", 2)
 
 
 SIGKILL = "epiphyte_sigkill_np4_r0_hf"
@@ -42,7 +37,7 @@ FINITE = "loss 0.9046653509140015"
 def test_a_placeholder_nan_every_rank_printed_is_no_failure_of_the_rank_killed_after_it():
     # torchrun + transformers.Trainer, 4 ranks: every rank's callback printed `step 1 loss nan` (no loss logged yet),
     # ranks 1-3 printed finite step-2 losses, and rank 0 was SIGKILLed before its own step-2 line
-    assert _root(sample_report(SIGKILL))[:3] == ("signal.sigkill", "crash_signal", 0)
+    assert facts_of(sample_report(SIGKILL))[:3] == ("signal.sigkill", "crash_signal", 0)
 
 
 def test_a_nan_the_other_ranks_kept_is_the_failure(tmp_path):
