@@ -115,9 +115,10 @@ def test_a_shells_killed_on_a_cpu_job_is_the_signal_not_the_oom_killer(slug, ran
     assert (rc["rule_id"], rc["category"], rc["rank"]) == ("signal.sigkill", "crash_signal", rank)
 
 
-def test_a_shells_killed_with_no_sign_of_a_cpu_job_stays_the_oom_killer(tmp_path):
+def test_a_shells_killed_with_no_sign_of_a_cpu_or_a_gpu_job_is_a_kill_of_either_kind(tmp_path):
+    # (stop 63: the GPU nodes' OOM killer only where the log shows a GPU, tests/test_more_than_one_thing.py)
     report = edited_report("rgnn_sigkill_np4_r3_ranklabel", "gloo", "nccl", tmp_path)
-    assert report["root_cause"]["rule_id"] == "host.oom_killer"
+    assert report["root_cause"]["rule_id"] == "signal.sigkill"
 
 
 @pytest.mark.parametrize("slug, rank, path", [
