@@ -70,8 +70,8 @@ def read_failure(ev: Evidence) -> RootCause | None:
     if root.rule.category is Category.EXTERNAL_STOP:
         root = _read_stop(ev, root)
     root = timer_reaped(waited_for_a_crash(refused_result_first(root, findings), findings), findings)
-    if root.rule.id == "signal.sigkill" and not scan.cpu_backend and _gpu_job(findings):
-        root = sigkill_on_gpu_job(root, findings, catalog)
+    if root.rule.id == "signal.sigkill" and not scan.cpu_backend:
+        root = sigkill_on_gpu_job(root, findings, catalog, _gpu_job(findings))
     root = own_source_compile_error(scan, unresolved_host(root, findings), catalog)
     if root.rule.id == "nccl.invalid_rank":
         root = bootstrap_layout_mismatch(root, catalog)

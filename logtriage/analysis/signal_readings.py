@@ -52,19 +52,20 @@ def stop_after_task_failure(root: RootCause, findings: list[Finding]) -> RootCau
         "is Slurm ending the step's other tasks",))
 
 
-def sigkill_on_gpu_job(root: RootCause, findings: list[Finding], catalog: Catalog) -> RootCause:
+def sigkill_on_gpu_job(root: RootCause, findings: list[Finding], catalog: Catalog, gpu: bool) -> RootCause:
     """A worker killed by SIGKILL, with no message of its own, in a job whose log shows a GPU (an NCCL or
     CUDA line; not a CPU/gloo run): on GPU nodes the sender is, in practice, the kernel's OOM killer
     (host RAM exhausted by data loading, checkpoint loading to CPU, too many DataLoader workers), unless
     the scheduler says it stopped the job (`CANCELLED ... DUE to SIGNAL Killed`, a revoked allocation).
-    A log that shows no device stays a kill of either kind (signal.sigkill says how to tell them apart)."""
+    A log that shows no device (`gpu` false) stays a kill of either kind (signal.sigkill says how to tell
+    them apart), unless the scheduler says it stopped the job."""
     stop = next((f for f in findings if f.is_error and f.category is Category.EXTERNAL_STOP
                  and f.rule.id.startswith("sched.")), None)
     if stop is not None:
         return RootCause(stop.rule, stop, None, (), 0.6, root.reasons + (
             f"the scheduler's own line ({stop.rule.id}) says it stopped the job: it sent the SIGKILL",))
     rule = catalog.get("host.oom_killer")
-    if rule is None:
+    if rule is None or not gpu:
         return root
     reason = ("SIGKILL cannot be caught, so the rank printed nothing; on GPU jobs the sender is nearly "
               "always the kernel's OOM killer (host memory). `dmesg -T | grep -i oom` on the node confirms "
