@@ -84,7 +84,7 @@ _NO_CHECKPOINT_WORD_IN_PATH = re.compile(
     r"No such file or directory: '(?![^']*(?:" + _MODEL_PATH_WORDS + r"))[^']*\.pth?'", re.IGNORECASE)
 # a DataLoader worker's exception re-raised by its rank (`Caught FileNotFoundError in DataLoader worker process 0.`):
 # what a worker opens is data (the Dataset's files)
-_IN_LOADER_WORKER = re.compile(r"\bin DataLoader worker process \d+")
+IN_LOADER_WORKER = re.compile(r"\bin DataLoader worker process \d+")
 FILE_NOT_FOUND_RULE = "python.file_not_found"
 DATA_FILE_RULE = "data.file_not_found"
 _MISSING_PATH = re.compile(r"is not a valid (?:directory|file|path)|does not exist|(?:not found|No such file)\b")
@@ -104,7 +104,7 @@ _CLASS_NOT_HERE = re.compile(r"Can't get attribute '[\w.]+' on <module '")
 def checkpoint_io(root: RootCause, catalog: Catalog) -> RootCause:
     f = root.finding
     data_file = f is not None and (_DATA_FILE.search(f.text) is not None or _NO_CHECKPOINT_WORD_IN_PATH.search(
-        f.text) is not None or _IN_LOADER_WORKER.search(f.block_exception) is not None) \
+        f.text) is not None or IN_LOADER_WORKER.search(f.block_exception) is not None) \
         and not _CHECKPOINT_NAMED.search(f.text)
     if data_file and root.rule.id in ("ckpt.not_found", FILE_NOT_FOUND_RULE):
         # torch.load of a data file saved with torch.save (a shard under data/, a cache of a teacher's

@@ -17,7 +17,7 @@ import re
 from typing import Callable
 
 from logtriage.analysis.exception_names import INSTALLED_PACKAGE, shadowing_file, short_type
-from logtriage.analysis.exceptions import DISK_FULL, GENERIC_RULES, PROBE_JSON_RULE
+from logtriage.analysis.exceptions import DISK_FULL, GENERIC_RULES, IN_LOADER_WORKER, PROBE_JSON_RULE
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.rootcause import GENERIC_EXCEPTION_RULE
 from logtriage.analysis.roots import RootCause, read_as
@@ -35,9 +35,6 @@ _FORK_FRAME = re.compile(r"multiprocessing/popen_fork\.py$|/subprocess\.py$")
 OPTIM_STATE_FRAME = "_get_optim_state_dict"
 # multiprocessing's spawn child unpickles what its parent sent; an empty pipe means the parent failed
 SPAWN_CHILD_FRAME = "_main"
-# a DataLoader worker's exception, re-raised by the main process (`Caught RuntimeError in DataLoader
-# worker process 0.`): workers are forked by default on Linux
-_LOADER_WORKER = re.compile(r"\bin DataLoader worker process \d+")
 # the object collectives send a size first, then the pickled bytes: a rank that joined another
 # call (a list of another length, another collective) reads a size out of someone else's data
 OBJECT_COLLECTIVES = frozenset({"broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
@@ -85,7 +82,7 @@ def _spawn_child_eof(root: RootCause, f: Finding, kind: str) -> Reading | None:
 
 def _cuda_in_forked_worker(root: RootCause, f: Finding, kind: str) -> Reading | None:
     if root.rule.id not in ("cuda.driver_unusable", "cuda.error") or "initialization error" not in f.text \
-            or not _LOADER_WORKER.search(f.block_exception):
+            or not IN_LOADER_WORKER.search(f.block_exception):
         return None
     return "cuda.forked_subprocess", ("CUDA's initialization error was raised in a DataLoader worker: workers are "
                                       "forked from a process that had already initialised CUDA, and a forked "

@@ -71,17 +71,17 @@ def _alike_on_the_others(printed: list["Finding"], back: set[tuple[int, int]]) -
     (two at least): the same placeholder everywhere (a Trainer callback's first loss), on a rank stopped before its
     next progress line (killed, or failing for another reason); not where that rank printed a NaN loss later on."""
     at_step: dict[int, list["Finding"]] = {}
+    last_step: dict[int, int] = {}   # each rank's last step with a NaN loss
     for f in printed:
-        at_step.setdefault(step_number(f.text), []).append(f)
+        step = step_number(f.text)
+        at_step.setdefault(step, []).append(f)
+        last_step[f.rank] = max(last_step.get(f.rank, step), step)
     alike: set[tuple[int, int]] = set()
     for step, printed_then in at_step.items():
         went_on = {f.rank for f in printed_then if (f.source, f.line) in back}
         stayed = [f for f in printed_then if (f.source, f.line) not in back]
-        if len(went_on) < 2 or any(f.rank in went_on for f in stayed):
-            continue
-        for f in stayed:
-            if not any(g.rank == f.rank and step_number(g.text) > step for g in printed):
-                alike.add((f.source, f.line))
+        if len(went_on) >= 2 and not any(f.rank in went_on for f in stayed):
+            alike |= {(f.source, f.line) for f in stayed if last_step[f.rank] == step}
     return alike
 
 

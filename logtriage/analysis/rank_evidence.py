@@ -12,7 +12,9 @@ from collections.abc import Hashable, Mapping
 from logtriage.analysis.childfailed import is_own_failure
 from logtriage.analysis.exception_names import short_type
 from logtriage.analysis.findings import Finding
+from logtriage.analysis.lost_peers import lost_a_peer
 from logtriage.analysis.roots import RankFacts, earliest
+from logtriage.analysis.wait_picture import arrived_after_the_waits
 from logtriage.catalog.rule import Category, Layer, Role
 from logtriage.demux.blocks import NCCL_PREFIX
 from logtriage.demux.line_marks import OWN_RANK
@@ -63,7 +65,7 @@ def rank_the_timeouts_wait_for(first: Finding, live: list[Finding], facts: RankF
         return None
     # the ranks that waited: timed out in a collective, or lost the peer that gave up waiting first; a rank that
     # timed out nowhere and met its peers' connections closed only after all of their timeouts arrived late
-    late = _met_them_closed_after(live)
+    late = _met_them_closed_after(live, facts)
     waited = {f.rank for f in live if f.rank is not None and f.rank not in late
               and f.category in (Category.COLLECTIVE_TIMEOUT, Category.COLLECTIVE_ERROR)}
     missing = facts.known - waited
@@ -75,23 +77,21 @@ def rank_the_timeouts_wait_for(first: Finding, live: list[Finding], facts: RankF
     else:
         return None
     speaks = any(f.rank == candidate and f.rule.id not in _LAUNCHER_EXITS and not f.is_teardown
-                 and not (f.rank in late and f.rule.id in PEER_LEFT_RULES) for f in live)
+                 and not (f.rank in late and lost_a_peer(f)) for f in live)
     return None if speaks else candidate
 
 
-def _met_them_closed_after(live: list[Finding]) -> set[int]:
-    """Ranks that did not time out, whose errors of a collective are all a peer's closed connection printed
-    after every timeout in the log: the others had given up waiting and closed their connections before this
-    rank came to its collective (or the launcher's stop made its handler call one)."""
-    timeouts = [f.seq for f in live if f.rank is not None and f.category is Category.COLLECTIVE_TIMEOUT]
-    if len(timeouts) < 2:
-        return set()
-    last = max(timeouts)
-    timed_out = {f.rank for f in live if f.category is Category.COLLECTIVE_TIMEOUT}
-    own = [f for f in live if f.rank is not None and f.rank not in timed_out
-           and f.category is Category.COLLECTIVE_ERROR]
-    ranks = {f.rank for f in own}
-    return {r for r in ranks if all(f.rule.id in PEER_LEFT_RULES and f.seq > last for f in own if f.rank == r)}
+def _met_them_closed_after(live: list[Finding], facts: RankFacts) -> set[int]:
+    """The one rank that timed out nowhere while every other known rank did, and met its peers' connections closed
+    only after all of their timeouts (wait_picture's reading of a late arrival; or the launcher's stop made its
+    handler call a collective)."""
+    waits = [f for f in live if f.rank is not None and f.category in (Category.COLLECTIVE_TIMEOUT,
+                                                                      Category.COLLECTIVE_ERROR)]
+    timeouts = [f for f in waits if f.category is Category.COLLECTIVE_TIMEOUT]
+    timed_out = {f.rank for f in timeouts}
+    closed = {f.rank for f in waits if f.rank not in timed_out and lost_a_peer(f)}
+    # (its errors of a collective only: the launcher's report of its exit code is no error of its own)
+    return arrived_after_the_waits(timeouts, timed_out, waits, facts, closed) if len(timeouts) >= 2 else set()
 
 
 # the store key of a rank's address that gloo's connectFullMesh waits for: `/default_pg/0//cpu//0/2`

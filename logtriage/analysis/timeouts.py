@@ -18,6 +18,7 @@ from logtriage.analysis.rule_readings import SPAWN_RULES
 from logtriage.analysis.timeout_groups import EVERY_RANK_WAITED
 from logtriage.analysis.wait_picture import WaitPicture, picture_of
 from logtriage.catalog.rule import Role
+from logtriage.demux.frames import TORCH_FILE
 from logtriage.rank_ranges import ranges
 
 RPC_TIMEOUT_RULE = "dist.rpc_timeout"
@@ -26,7 +27,6 @@ RPC_TIMEOUT_RULE = "dist.rpc_timeout"
 _P2P_WAIT = re.compile(r"\bfor (send|recv) operation to complete\b")
 P2P_CALLS = {"send": frozenset({"send", "isend", "batch_isend_irecv"}),
              "recv": frozenset({"recv", "irecv", "batch_isend_irecv"})}
-_TORCH_FILE = re.compile(r"/torch/")
 
 
 def named_culprit(live: list[Finding]) -> int | None:
@@ -119,7 +119,7 @@ def _point_to_point(timeouts: tuple[Finding, ...], kind: str) -> list[Finding]:
     an isend/irecv (no torch frame after it), not in a collective or DDP's backward, whose rings send too."""
     return [f for f in timeouts if f.rank is not None and (m := _P2P_WAIT.search(f.text)) and m.group(1) == kind
             and (f.collective in P2P_CALLS[kind]
-                 or (not f.collective and f.last_file and not _TORCH_FILE.search(f.last_file)))]
+                 or (not f.collective and f.last_file and not TORCH_FILE.search(f.last_file)))]
 
 
 def _extra_on_the_waiting_side(p: WaitPicture) -> RootCause | None:

@@ -52,7 +52,7 @@ def picture_of(timeouts: list[Finding], live: list[Finding], facts: RankFacts,
     peer_closed = {f.rank for f in live if f.rank is not None and lost_a_peer(f)}
     waited_at = _waited_at_step(timed_out, facts)
     ahead = {r for r in peer_closed if waited_at is not None and facts.last_step.get(r, -1) > waited_at}
-    late = _arrived_after_the_waits(timeouts, timed_out, live, facts, peer_closed - ahead - timed_out)
+    late = arrived_after_the_waits(timeouts, timed_out, live, facts, peer_closed - ahead - timed_out)
     in_collective = timed_out | (peer_closed - ahead - late)
     hidden = unseen_ranks(facts)
     killed_running = {r for r in hidden - in_collective if facts.exit_codes.get(r, 0) < 0}
@@ -100,7 +100,7 @@ def absent_node(facts: RankFacts) -> frozenset[int]:
     return absent if len(absent) >= size else frozenset()
 
 
-def _arrived_after_the_waits(timeouts: list[Finding], timed_out: set[int], live: list[Finding], facts: RankFacts,
+def arrived_after_the_waits(timeouts: list[Finding], timed_out: set[int], live: list[Finding], facts: RankFacts,
                              closed: set[int]) -> set[int]:
     """The one rank that did not time out when every other known rank did, whose errors are all a peer's closed
     connection printed after the last timeout: the waiting ranks gave up and closed their connections, and it

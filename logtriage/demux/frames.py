@@ -78,7 +78,7 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
             if "handler_in" in state:
                 state["outer_frame"] = state.get("last_frame", "")   # the handler's frame that called the last
             state["last_file"], state["last_frame"] = frame.group(2), frame.group(3)
-            if "torch" not in frame.group(2) or not _TORCH_FILE.search(frame.group(2)):
+            if "torch" not in frame.group(2) or not TORCH_FILE.search(frame.group(2)):
                 state["caller"] = text   # (read only when a collective's frame follows: _site)
         if "checkpoint" not in state and not ACTIVATION_CHECKPOINT.search(text):
             m = CHECKPOINT_FRAME.search(text)
@@ -99,7 +99,7 @@ _NOT_A_RAISE = re.compile(r"^(?!raise\b|assert\b|[~^\s]*$)\S")
 
 
 # a file of torch's own (POSIX or Windows paths); a frame line's file name (its path's last part) and line number
-_TORCH_FILE = re.compile(r"[/\\]torch[/\\]")
+TORCH_FILE = re.compile(r"[/\\]torch[/\\]")
 _FRAME_SITE = re.compile(r'File "(?:[^"\n]*[/\\])?([^"/\\\n]*)", line (\d+), in ')
 
 
