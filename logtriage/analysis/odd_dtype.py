@@ -129,7 +129,8 @@ def sender_may_be_a_neighbour(root: RootCause, findings: list[Finding], known: s
     118, the rank before it in 74, the rank after it in 41). The log cannot tell the cases apart, so
     the rank stays and the report says which two ranks to compare, unless one of the two printed a later
     step than every other rank: it skipped a collective the others made and went on to the next one (a
-    gradient all_reduce), whose larger message met the others' smaller one (`ran_ahead`)."""
+    gradient all_reduce), whose larger message met the others' smaller one (`ran_ahead`), or the sender is
+    the one rank a step behind all the others: it made a collective they did not (`fell_behind`)."""
     f = root.finding
     if (root.rule.id != SIZE_RULE or root.rank is None or f is None or _RECEIVED_MORE not in f.text
             or len(known) < 3 or root.rank not in known):
@@ -153,10 +154,28 @@ def sender_may_be_a_neighbour(root: RootCause, findings: list[Finding], known: s
             *root.reasons, f"gloo's check aborted rank {root.rank} on receiving more bytes than it expected; rank "
             f"{ahead} printed step {last_step[ahead]}, a step no other rank reached: it skipped a collective the others "
             "made, and its next one's larger message met their smaller one"))
+    behind = fell_behind(last_step, known)
+    if behind is not None and behind in senders:
+        return replace(root, rank=behind, ranks=(behind,), confidence=min(root.confidence, 0.5), reasons=(
+            *root.reasons, f"gloo's check aborted rank {root.rank} on receiving more bytes than it expected; rank "
+            f"{behind}, the ring neighbour that sends to it, is the one rank that never printed step "
+            f"{last_step[behind] + 1} the others all reached: it made a collective the others did not (an extra "
+            "gradient all_reduce), and its larger message met their smaller one"))
     return replace(root, reasons=(*root.reasons, (
         f"gloo's check aborts the rank that received more bytes than it expected: rank {root.rank} itself if its "
         f"tensor was the smaller one, or {which}; the log cannot tell which, so compare the sizes and dtypes "
         "those ranks pass to this collective")))
+
+
+def fell_behind(last_step: dict[int, int], known: set[int]) -> int | None:
+    """The one rank whose last step is earlier than every other known rank's, all of which printed the same
+    one."""
+    if len(known) < 3 or not known <= set(last_step):
+        return None
+    low = min(last_step[r] for r in known)
+    laggards = [r for r in known if last_step[r] == low]
+    others = {last_step[r] for r in known} - {low}
+    return laggards[0] if len(laggards) == 1 and others == {low + 1} else None
 
 
 def ran_ahead(last_step: dict[int, int], known: set[int]) -> int | None:

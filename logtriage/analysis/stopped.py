@@ -103,8 +103,10 @@ _SAVED = re.compile(r"\b(?:saved|exported|wrote|written)\b"
                     r"\b[\w-]+\.(?:pt|pth|bin|ckpt|safetensors|npy|npz|pkl|onnx|h5|json|csv))",
                     re.IGNORECASE)
 # or that it saved, wrote or exported its export or model, with no path (`rank 0 saved export`, `rank 0 wrote till
-# classifier export`, `rank 0 exported burrow model`, the last line of a clean run: cpu_adhoc 508th, 566th, 581st batches)
-_SAVED_EXPORT = re.compile(r"\b(?:saved|wrote|exported)(?:\s+[\w-]+){0,4}?\s+(?:export|model)\s*$", re.IGNORECASE)
+# classifier export`, `rank 0 exported burrow model`, the last line of a clean run: cpu_adhoc 508th, 566th, 581st batches),
+# a summary after a comma allowed (`rank 0 saved export, mean final loss 0.4724`: cpu_adhoc 636th batch) but not a step
+_SAVED_EXPORT = re.compile(r"\b(?:saved|wrote|exported)(?:\s+[\w-]+){0,4}?\s+(?:export|model)"
+                           r"(?:\s*$|[,;] (?!.*\b(?:step|epoch|iter(?:ation)?)s?\b))", re.IGNORECASE)
 _SOURCE_TAG = re.compile(r"\b\w+\.py:\d+\b")
 # transformers.Trainer's own log records (`{'loss': '7.154', 'grad_norm': ..., 'epoch': '0.5'}`, and
 # `{'train_runtime': '0.4885', ...}` when train() returns): progress with no step number (cpu_adhoc 518th batch)
