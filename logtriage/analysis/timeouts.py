@@ -71,6 +71,34 @@ def _debug_report(p: WaitPicture) -> RootCause | None:
                      (f"a debug report names rank {culprit} as the one that lagged",))
 
 
+# c10d's store client timing out on a key (`wait timeout after 5000ms, keys: /default_pg/0//job/ready`, or its socket's
+# `timed out after 12000ms`)
+_STORE_WAIT_RULE = "dist.store_wait_timeout"
+
+
+def _own_store_wait(p: WaitPicture) -> RootCause | None:
+    """One rank timed out in the store outside any collective (the program's own `store.get`/`store.wait`, no c10d
+    call in its traceback), while every other rank that waited did so in a collective, or none waited and the
+    others only lost their connection when it left: it was in a handshake of its own the others never made, and
+    they waited for it in their collective (a key no rank sets, or set on another path)."""
+    store = [f for f in p.timeouts if f.rule.id == _STORE_WAIT_RULE]
+    ranks = {f.rank for f in store}
+    if len(ranks) != 1 or None in ranks or any(f.collective for f in store):
+        return None
+    rank = next(iter(ranks))
+    others = [f for f in p.timeouts if f.rank != rank]
+    if others and not all(f.collective and f.rule.id != _STORE_WAIT_RULE for f in others):
+        return None
+    if not others and not (p.peer_closed - {rank}):
+        return None
+    first = earliest(store)
+    where = ("every other rank that timed out did so in a collective" if others
+             else "the others only lost their connection when it left")
+    return RootCause(p.first.rule, first, rank, (rank,), 0.5, (
+        f"rank {rank} timed out waiting in the store outside any collective (its own store handshake) and {where}: "
+        f"rank {rank} waited for a key no rank set on this path, while the others waited for it in their collective",))
+
+
 def _enqueued_fewer(p: WaitPicture) -> RootCause | None:
     """The watchdog's (and the flight recorder's dump notice's) `last enqueued NCCL work: N` per
     rank (one process group's numbering): the one rank behind all others, which agree, never
@@ -227,5 +255,6 @@ def _several_missing(p: WaitPicture) -> RootCause | None:
 
 
 READINGS: tuple[Callable[[WaitPicture], RootCause | None], ...] = (
-    _rpc, _debug_report, _enqueued_fewer, _unmatched_send, _extra_on_the_waiting_side, _broadcast_source, _one_missing,
+    _rpc, _debug_report, _own_store_wait, _enqueued_fewer, _unmatched_send, _extra_on_the_waiting_side,
+    _broadcast_source, _one_missing,
     _lone_waiter, _waiters_left_behind, _several_missing) + EVERY_RANK_WAITED
