@@ -103,6 +103,7 @@ class LineScanner:
         result.block_exceptions.update(tracebacks.exceptions)
         result.block_collectives.update(tracebacks.collectives)
         result.block_collective_sites.update(tracebacks.collective_sites)
+        result.block_collective_callers.update(tracebacks.collective_callers)
         result.block_checkpoint_frames.update(tracebacks.checkpoint_frames)
         result.block_last_frames.update(tracebacks.last_frames)
         result.block_last_files.update(tracebacks.last_files)

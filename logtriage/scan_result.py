@@ -79,6 +79,7 @@ class ScanResult:
     block_exceptions: dict[int, str] = field(default_factory=dict)
     block_collectives: dict[int, str] = field(default_factory=dict)   # the c10d call a traceback was in
     block_collective_sites: dict[int, str] = field(default_factory=dict)   # the frame that made that call
+    block_collective_callers: dict[int, str] = field(default_factory=dict)  # that frame's function
     block_checkpoint_frames: dict[int, str] = field(default_factory=dict)   # its checkpoint save/load frame
     block_last_frames: dict[int, str] = field(default_factory=dict)   # its innermost frame's function
     block_last_files: dict[int, str] = field(default_factory=dict)    # that frame's file

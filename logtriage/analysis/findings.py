@@ -96,6 +96,7 @@ class Finding:
     went_on: bool = False             # the program said it went on from this (went_on.py)
     in_thread: bool = False           # that traceback is a thread's, printed as the thread died
     collective_site: str = ""         # the frame that called that collective (`train.py:148`)
+    collective_caller: str = ""       # that frame's function (`main`)
 
     @property
     def role(self) -> Role:
@@ -208,15 +209,17 @@ def resolve_findings(scan: ScanResult, keys: list[StreamKey], failures: list[Chi
         frame, frame_file = _innermost_frame(scan, hit)
         collective = scan.block_collectives.get(hit.block_id, "")
         site = scan.block_collective_sites.get(hit.block_id, "")
+        caller = scan.block_collective_callers.get(hit.block_id, "")
         error_file = error_files.get((hit.source, hit.line))
         if error_file is not None:
-            collective, frame, site = error_file.collective, error_file.last_frame, ""
+            collective, frame, site, caller = error_file.collective, error_file.last_frame, "", ""
         findings.append(Finding(hit.rule, hit.captures, hit.source, hit.line, stream, rank, hit.text,
                                 hit.block_id, hit.seq, stamp, how, scan.block_exceptions.get(hit.block_id, ""),
                                 collective,
                                 scan.block_checkpoint_frames.get(hit.block_id, ""), frame,
                                 scan.block_broadcast_sources.get(hit.block_id), frame_file,
-                                in_thread=hit.block_id in scan.block_threads, collective_site=site))
+                                in_thread=hit.block_id in scan.block_threads, collective_site=site,
+                                collective_caller=caller))
     findings = mark_loss_came_back(mark_went_on(_without_source_echoes(findings)), scan, keys)
     findings = one_reading_per_event(findings, scan)
     return attribute_by_signal(findings, failures)

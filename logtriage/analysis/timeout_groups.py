@@ -55,6 +55,26 @@ def _in_another_collective(p: WaitPicture) -> RootCause | None:
         f"its code took a different path (uneven data, a rank-specific branch)",))
 
 
+def _called_from_elsewhere(p: WaitPicture) -> RootCause | None:
+    """Every rank waited in the same collective, but one rank's call came from another function of the program
+    (its loop's gradient all_reduce in `main`, the others' in a helper's block of calls, `plant`, at one line or
+    another of it): its code skipped a call of that block, or made one more, and the counts no longer line up."""
+    waits = [f for f in p.waits if f.rank is not None and f.collective and f.collective_caller]
+    by_rank = {f.rank: f.collective_caller for f in waits}
+    if len(by_rank) < 3 or set(by_rank) != p.facts.known or len({f.collective for f in waits}) != 1:
+        return None
+    rank = odd_one_out(by_rank)
+    if rank is None:
+        return None
+    place = by_rank[rank]
+    others = next(name for name in by_rank.values() if name != place)
+    own = next(f for f in waits if f.rank == rank)
+    return RootCause(own.rule, own, rank, (rank,), 0.45, (
+        f"every rank timed out in `{own.collective}`, but rank {rank}'s call came from `{place}` and all the others' "
+        f"from `{others}`: its code skipped a collective of that function's, or made one more, so it waited in a "
+        "later call than theirs",))
+
+
 def _odd_collective(timeouts: list[Finding]) -> tuple[int, str, str] | None:
     """All ranks timed out: the one waiting in another collective (all_reduce while the rest sit
     in barrier, or in a barrier while the rest wait in DDP's backward, whose all-reduce has no
@@ -172,5 +192,5 @@ def _absent_node(p: WaitPicture) -> RootCause | None:
 
 
 EVERY_RANK_WAITED: tuple[Callable[[WaitPicture], RootCause | None], ...] = (
-    _link_failed, _only_one_waited, _in_another_collective, _behind, _few_in_another_collective,
+    _link_failed, _only_one_waited, _in_another_collective, _called_from_elsewhere, _behind, _few_in_another_collective,
     _waited_elsewhere, _still_working, _absent_node)

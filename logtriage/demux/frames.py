@@ -42,6 +42,7 @@ def watch_traceback_line(state: dict, text: str, bare: bool) -> None:
             state["collective"] = m.group(1)
             if "collective_site" not in state:
                 state["collective_site"] = _site(state.get("caller"))
+                state["collective_caller"] = _caller(state.get("caller"))
     if "cause_frame" not in state and B.CHAIN.match(text):
         # "During handling of the above exception": the first exception's own innermost frame
         state["cause_frame"] = state.get("last_frame", "")
@@ -103,6 +104,12 @@ TORCH_FILE = re.compile(r"[/\\]torch[/\\]")
 _FRAME_SITE = re.compile(r'File "(?:[^"\n]*[/\\])?([^"/\\\n]*)", line (\d+), in ')
 
 
+def _caller(frame_line: str | None) -> str:
+    """`main` from the frame line of the last frame outside torch before a collective's: the function that called it."""
+    m = FRAME.match(frame_line.strip()) if frame_line else None
+    return m.group(3) if m else ""
+
+
 def _site(frame_line: str | None) -> str:
     """`train.py:148` from the frame line of the last frame outside torch before a collective's."""
     m = _FRAME_SITE.search(frame_line) if frame_line else None
@@ -125,6 +132,7 @@ class TracebackFacts:
     exceptions: dict[int, str] = field(default_factory=dict)          # its exception line
     collectives: dict[int, str] = field(default_factory=dict)         # the c10d function it was in
     collective_sites: dict[int, str] = field(default_factory=dict)    # the frame that called it (`train.py:148`)
+    collective_callers: dict[int, str] = field(default_factory=dict)  # that frame's function (`main`)
     checkpoint_frames: dict[int, str] = field(default_factory=dict)   # a checkpoint frame
     last_frames: dict[int, str] = field(default_factory=dict)         # its innermost function
     last_files: dict[int, str] = field(default_factory=dict)          # that function's file
@@ -146,6 +154,8 @@ class TracebackFacts:
             self.collectives[block_id] = state["collective"]
             if state.get("collective_site"):
                 self.collective_sites[block_id] = state["collective_site"]
+            if state.get("collective_caller"):
+                self.collective_callers[block_id] = state["collective_caller"]
         if state.get("checkpoint") and not _load_never_ran(state):
             self.checkpoint_frames[block_id] = state["checkpoint"]
         if state.get("last_frame"):
