@@ -94,7 +94,7 @@ def _own_store_wait(p: WaitPicture) -> RootCause | None:
     first = earliest(store)
     where = ("every other rank that timed out did so in a collective" if others
              else "the others only lost their connection when it left")
-    return RootCause(p.first.rule, first, rank, (rank,), 0.5, (
+    return RootCause(first.rule, first, rank, (rank,), 0.5, (
         f"rank {rank} timed out waiting in the store outside any collective (its own store handshake) and {where}: "
         f"rank {rank} waited for a key no rank set on this path, while the others waited for it in their collective",))
 
