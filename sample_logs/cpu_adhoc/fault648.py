@@ -34,30 +34,30 @@ Faults (--fault NAME --rank N; N is ignored where the fault says every rank):
   --warn-every-step adds a Python UserWarning on every step of every rank.
 
 Runs (one line per kept log; written after the runs):
-#R01
-#R02
-#R03
-#R04
-#R05
-#R06
-#R07
-#R08
-#R09
-#R10
-#R11
-#R12
-#R13
-#R14
-#R15
-#R16
-#R17
-#R18
-#R19
-#R20
-#R21
-#R22
-#R23
-#R24
+  galago_none_np3_rnone_plain (plain, 41300): control; 40 steps on 3 ranks, export saved, exit 0
+  galago_keyerror_np8_r4_plain (plain, 41301): rank 4 KeyError 'site_999' at step 40 of 50; exit 1
+  galago_fh_stall_np5_r2_tee (tee, 41302): all 5 ranks dump 'Timeout (0:00:05)!' stacks, 4 gloo 12 s timeouts; exit 1
+  galago_segv_np6_r5_tee_trainer (tee_trainer, 41303): per-step UserWarnings, rank 5 'Fatal Python error: Segmentation fault', -11; exit 1
+  galago_sigkill_np6_r3_pdsh2 (pdsh2, 41304): rank 3 exitcode -9 at step 38, peers reset, node 0 loses the store; exit 1
+  galago_nan_late_np8_r0_redirects (redirects, 41305): rank 0 FloatingPointError loss nan at step 35 (in rank files); exit 1
+  galago_noisy_exc_np5_r3_loglevel (loglevel, 41306): rank 0 logs 42 handled ValueError tracebacks, rank 3 torch.cat RuntimeError at 42; exit 1
+  galago_stats_value_np6_r0_detail (detail, 41307): rank 0 ValueError at step 33, peers report monitoredBarrier errors; exit 1
+  galago_nan_late_np5_r4_pymodule (pymodule, 41309): rank 4 FloatingPointError loss nan at step 35; exit 1
+  galago_loader_die_np3_r1_filter (filter, 41310): per-item UserWarnings, rank 1 'DataLoader worker ... killed by signal: Killed'; exit 1
+  galago_export_fail_np4_r0_wrapper (wrapper, 41311): training done, 30 saving lines, torch.save to /dev/full RuntimeError; exit 1
+  galago_restart_idx_np4_r2_restart (restart, 41312): attempt 0 rank 2 IndexError at step 40, attempt 1 Gloo connectFullMesh refused; exit 1
+  galago_sched_zero_np5_rall_tee (tee, 41313): every rank ZeroDivisionError at step 45 amid per-step UserWarnings; exit 1
+  galago_abort_np4_r0_prefix (prefix, 41314): rank 0 'Fatal Python error: Aborted', exitcode -6 at step 27; exit 1
+  galago_missing_shard_np7_r6_plain (plain, 41315): rank 6 FileNotFoundError for shards_v2/shard_06.pt; exit 1
+  galago_ckpt_size_np3_r2_loglevel (loglevel, 41316): rank 2 load_state_dict size mismatch [1, 5] vs [1, 4]; exit 1
+  galago_fh_stall_np8_r7_plain (plain, 41317): all 8 ranks dump stacks, ranks 0-6 gloo 12 s timeouts, rank 7 SIGTERMed; exit 1
+  galago_keyerror_np3_r0_wrapper (wrapper, 41318): rank 0 KeyError 'site_999' at step 40 of 50; exit 1
+  galago_stats_value_np3_r1_prefix (prefix, 41319): rank 1 ValueError at step 33 after eval_error/failed_batches tables; exit 1
+  galago_sigkill_np5_r0_tee_trainer (tee_trainer, 41320): rank 0 exitcode -9 at step 38, peers reset; exit 1
+  galago_memgrow_np6_r5_tee (tee, 41321): rank 5 rss grows under RLIMIT_AS, MemoryError at step 26 of 40; exit 1
+  dropped: galago_memgrow_np4_r3_redirects (41308): MemoryError at step 5, too fast (14 MiB/step), growth then cut to 1 MiB/step
+
+
 """
 import argparse
 import datetime

@@ -25,19 +25,19 @@ small linear model with hand-written all_reduce of gradients, logs every step th
 --warn-every-step adds a Python warning every step on every rank.
 
 Runs of batch 649 (one line per log; filled after the runs):
-  -
-  -
-  -
-  -
-  -
-  -
-  -
-  -
-  -
-  -
-  -
-  -
-  -
+  - kinkajou_fh_stall_np6_r3_bashloop: 6 faulthandler stack dumps, 5 gloo 12 s timeouts, rank 3 Connection closed; exit 1
+  - kinkajou_segv_np5_r4_ranklabel: rank 4 'Fatal Python error: Segmentation fault' at step 30, gloo cascade; exit 0 (sed pipe)
+  - kinkajou_loader_worker_np4_r1_legacy: rank 1 'DataLoader worker ... killed by signal: Killed.' after step 23; exit 1
+  - kinkajou_noisy_exc_np6_r5_srunlabel: 11 handled ERROR tracebacks on rank 0, rank 5 RuntimeError at step 34; exit 124 (outer timeout)
+  - kinkajou_keyerror_np5_r2_mpitag: rank 2 KeyError 'route69' at step 41 of 50, gloo cascade; exit 0 (sed pipe)
+  - kinkajou_sigkill_np6_r2_pdsh2: rank 2 exitcode -9 (SIGKILL) after step 30, two agents' ChildFailedError; exit 0 (sed pipe)
+  - kinkajou_nan_np5_r4_logfmt: rank 4 FloatingPointError loss is nan at step 33; exit 1
+  - kinkajou_memgrow_np3_r1_spawn: rank 1 MemoryError at step 12 under RLIMIT_AS, ProcessRaisedException; exit 1
+  - kinkajou_export_fail_np3_r0_tee: all ranks finish, rank 0 export to /dev/full RuntimeError iostream error; exit 1
+  - kinkajou_stats_value_np4_r0_files: rank 0 ValueError at step 32 under eval_error/failed_batches tables; exit 1
+  - kinkajou_allrank_bug_np8_rall_bashloop: dropped, 8 ranks never got past start-up in 100 s under load (exit 124)
+  - kinkajou_none_np5_rnone_ranklabel: control, 40 steps on 5 ranks, export written; exit 0
+  - kinkajou_restart_bug_np4_r3_tee: attempt 0 rank 3 RuntimeError at step 30, attempt 1 gloo connectFullMesh refused; exit 1
   -
   -
   -

@@ -23,33 +23,33 @@ Faults:
   export_fail   every rank finishes; rank 0's export writes 8 parts for a while, then torch.save to /dev/full fails
   sigkill       rank N SIGKILLs itself at the fault step (like the OOM killer)
   bad_index     rank N indexes past its shard at the fault step (IndexError); a resume file lets a torchrun restart
-                (--max-restarts 1) resume at fault step - 1, so the second attempt fails at its 2nd step
+                (--max-restarts 1) resume at the bad batch, so the second attempt is meant to fail at once
   same_bug      (with --rank -1) every rank hits the same KeyError at the fault step
   missing_shard rank N opens a shard file that does not exist (FileNotFoundError before step 1)
 
 Runs (one line per log):
-  (slot 01)
-  (slot 02)
-  (slot 03)
-  (slot 04)
-  (slot 05)
-  (slot 06)
-  (slot 07)
-  (slot 08)
-  (slot 09)
-  (slot 10)
-  (slot 11)
-  (slot 12)
-  (slot 13)
-  (slot 14)
-  (slot 15)
-  (slot 16)
-  (slot 17)
-  (slot 18)
-  (slot 19)
-  (slot 20)
-  (slot 21)
-  (slot 22)
+  solenodon_fh_stall_np8_r5_torchrun: 8 faulthandler dumps, ranks 0-4,6,7 gloo 12 s timeout; exit 1
+  solenodon_segv_np6_r0_acc: rank 0 Fatal Python error: Segmentation fault, exitcode -11; exit 1
+  solenodon_noisy_exc_np5_r4_tee: rank 0 handled ERROR tracebacks, rank 4 ZeroDivisionError; exit 1
+  solenodon_data_key_np5_r2_accdebug: 50 steps, rank 2 KeyError after step 40; exit 1
+  solenodon_stats_err_np6_r3_accconfig: eval_error/failed_batches tables, rank 3 ValueError; exit 1
+  solenodon_nan_late_np6_r0_acc2nodes: rank 0 FloatingPointError loss nan, two summaries; exit 1
+  solenodon_sigkill_np7_r6_torchrun: rank 6 exitcode -9 (SIGKILL), peers Connection closed; exit 1
+  solenodon_missing_shard_np8_r7_acc2nodes: rank 7 FileNotFoundError, 0-3 DistStoreError; exit 1
+  solenodon_mem_grow_np4_r3_torchrun: rank 3 VmSize climbs to 1370 MiB, MemoryError; exit 1
+  solenodon_worker_dies_np4_r1_tee: rank 1 DataLoader worker killed by signal: Killed; exit 1
+  solenodon_export_fail_np3_r0_acc: all finish, rank 0 export basic_ios::clear error; exit 1
+  solenodon_bad_index_np4_r2_torchrun: rank 2 IndexError; restart fails in connectFullMesh; exit 1
+  solenodon_same_bug_np5_rall_accconfig: all 5 ranks KeyError 'prey_hutia9'; exit 1
+  solenodon_none_np3_rnone_hf: control, Trainer 40 steps, export saved; exit 0
+  solenodon_data_key_np4_r3_hf: rank 3 KeyError in the Trainer's dataset; exit 1
+  solenodon_nan_late_np3_r1_hf: rank 1 FloatingPointError loss nan in compute_loss; exit 1
+  solenodon_abort_np6_r2_tee: rank 2 Fatal Python error: Aborted, exitcode -6; exit 1
+  solenodon_sigkill_np3_r0_hf: rank 0 exitcode -9 (SIGKILL) under the Trainer; exit 1
+  solenodon_fh_stall_np4_r0_accdebug: 4 faulthandler dumps, ranks 1-3 gloo 12 s timeout; exit 1
+  solenodon_stats_err_np3_r2_acc: eval_error/failed_batches tables, rank 2 ValueError; exit 1
+  (test runs on ports 41599/41598 not kept)
+  (no further runs)
 """
 import argparse
 import ctypes

@@ -25,21 +25,21 @@ Faults (--fault NAME --rank N):
   allsame          every rank fails the same assertion at step 30
   missing_shard    rank N opens a shard file that does not exist
 Runs (one line per log):
-#
-#
-#
-#
-#
-#
-#
-#
-#
-#
-#
-#
-#
-#
-#
+  palsa_none_np3_rnone_pltorchrun: control, 40 steps on 3 ranks, export saved, exit 0
+  palsa_stall_fh_np5_r2_pltee: rank 2 faulthandler 'Timeout (0:00:05)!' dump, ranks 0,1,3,4 gloo 12 s timeout, exit 1
+  palsa_segv_np6_r5_plfabric: rank 5 'Fatal Python error: Segmentation fault' at step 31, exitcode -11, exit 1
+  palsa_noisy_exc_np4_r1_plloglevel: rank 1 logs ERROR+Traceback each step; rank 2 ZeroDivisionError ~step 36, exit 1
+  palsa_keyerror_np5_r4_plbashloop: rank 4 KeyError 'PALSA-X-9999' at step 40 of 50; timeout 124 under load
+  palsa_sigkill_np3_r0_plown: rank 0 (launching process) SIGKILLed at step 34, peers connection reset, exit 137
+  palsa_nan_np5_r3_pltorchrun: rank 3 FloatingPointError 'loss is nan' at step 33, exit 1
+  palsa_restart_np3_r1_plfabric: DROPPED - attempt 1 IndexError at step 28, attempt 2 never reached a step (124)
+  palsa_loaderdeath_np4_r2_pltee: rank 2 DataLoader worker warns each batch, killed by signal at batch 30, exit 1
+  palsa_stats_valueerror_np6_r3_plloglevel: rank 3 ValueError float('n/a') after step 32, exit 1
+  palsa_export_fail_np3_r0_plfabric: 40 steps done; rank 0 export to /dev/full -> basic_ios iostream error, exit 1
+  palsa_abort_np5_r0_pltorchrun: rank 0 'Fatal Python error: Aborted' at step 29, exitcode -6, exit 1
+  palsa_memgrow_np3_r2_pltorchrun: rank 2 bare MemoryError at step 25 (RLIMIT_AS), exit 1
+  palsa_allsame_np5_rall_plbashloop: every rank AssertionError 'mound count 29 != step 30', exit 1
+  palsa_missing_shard_np4_r3_pltorchrun: rank 3 FileNotFoundError shard_3_thawed.pt before step 1, exit 1
 #
 #
 #
