@@ -33,6 +33,7 @@ from logtriage.analysis.rule_readings import (bootstrap_layout_mismatch, dcp_nam
                                               timer_reaped, unresolved_host, waited_for_a_crash)
 from logtriage.analysis.signal_readings import sigkill_on_gpu_job, stop_after_task_failure, stop_for_memory
 from logtriage.analysis.silent_first import silent_death_first
+from logtriage.analysis.stack_dumps import dumps_then_timeouts
 from logtriage.analysis.stalls import (came_late_to_the_collective, heartbeats_before_stop, late_rank_went_on,
                                        time_limit_ended_hang, watchdog_spared_rank)
 from logtriage.analysis.stopped import stalled_before_stop
@@ -83,6 +84,7 @@ def read_failure(ev: Evidence) -> RootCause | None:
                              facts.known, facts.last_step)
     root = loss_outlier_rank(scan, keys, shared_nan_then_one_check(scan, keys, root, findings))
     root = own_loss_check(finite_invalid_values(scan, root, catalog), findings, catalog)
+    root = dumps_then_timeouts(scan, root, findings, facts)
     root = watchdog_spared_rank(late_rank_went_on(scan, keys, root, findings), findings, facts)
     root = came_late_to_the_collective(scan, keys, root, findings, facts.last_step)
     root = store_wait_after_progress(root, findings, facts, first_progress(ev.stream_stats), catalog)
