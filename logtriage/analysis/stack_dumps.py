@@ -22,6 +22,8 @@ from logtriage.scan_result import ScanResult
 # a frame of faulthandler's dump: `File "/job/train.py", line 222 in main` (no comma before `in`)
 _DUMP_FRAME = re.compile(r'File "([^"\n]+)", line (\d+) in (\S+)')
 _DUMP_SPAN = 4   # the lines after `Timeout (...)!` to look in for the innermost frame (`Thread 0x...` comes first)
+# an installed library's or the standard library's file: neither torch's wait nor the program's own code
+_LIBRARY_FILE = re.compile(r"[/\\]lib[/\\]python\d[\d.]*[/\\]|<frozen ")
 
 
 def dumps_then_timeouts(scan: ScanResult, root: RootCause, findings: list[Finding], facts: RankFacts) -> RootCause:
@@ -50,8 +52,9 @@ def dumps_then_timeouts(scan: ScanResult, root: RootCause, findings: list[Findin
 
 def _own_code_dump(scan: ScanResult, dumps: list[Finding]) -> tuple[int, str] | None:
     """(rank, `function` at file:line) of the one rank-tied dump whose innermost frame is the program's own, when
-    every other rank-tied dump's is torch's."""
-    own, torch = [], 0
+    every other rank-tied dump's is torch's (a dump of a library's thread, a DataLoader's or a logger's, tells
+    nothing)."""
+    own, torch, library = [], 0, 0
     for dump in dumps:
         if dump.rank is None or dump.source >= len(scan.sources):
             continue
@@ -62,7 +65,9 @@ def _own_code_dump(scan: ScanResult, dumps: list[Finding]) -> tuple[int, str] | 
             continue
         if TORCH_FILE.search(frame.group(1)):
             torch += 1
+        elif _LIBRARY_FILE.search(frame.group(1)):
+            library += 1
         else:
             own.append((dump.rank, f"{frame.group(3)} at {frame.group(1).rsplit('/', 1)[-1]}:{frame.group(2)}"))
     ranks = {rank for rank, _ in own}
-    return own[0] if len(ranks) == 1 else None
+    return own[0] if len(ranks) == 1 and not library and (torch or len(own) == 1) else None

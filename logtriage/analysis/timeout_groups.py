@@ -70,7 +70,7 @@ def _called_from_elsewhere(p: WaitPicture) -> RootCause | None:
     others = next(name for name in by_rank.values() if name != place)
     own = next(f for f in waits if f.rank == rank)
     return RootCause(own.rule, own, rank, (rank,), 0.45, (
-        f"every rank timed out in `{own.collective}`, but rank {rank}'s call came from `{place}` and all the others' "
+        f"every rank waited in `{own.collective}`, but rank {rank}'s call came from `{place}` and all the others' "
         f"from `{others}`: its code skipped a collective of that function's, or made one more, so it waited in a "
         "later call than theirs",))
 
@@ -192,5 +192,5 @@ def _absent_node(p: WaitPicture) -> RootCause | None:
 
 
 EVERY_RANK_WAITED: tuple[Callable[[WaitPicture], RootCause | None], ...] = (
-    _link_failed, _only_one_waited, _in_another_collective, _called_from_elsewhere, _behind, _few_in_another_collective,
-    _waited_elsewhere, _still_working, _absent_node)
+    _link_failed, _only_one_waited, _in_another_collective, _called_from_elsewhere, _behind,
+    _few_in_another_collective, _waited_elsewhere, _still_working, _absent_node)
