@@ -35,7 +35,7 @@ MAX_BLOCKS = 1024       # tracebacks read back at most (the reading is per line)
 _HANDLER = re.compile(r"signal_connector\.py$|^_?(?:signal|sig(?:term|int|usr\d)?)_?handler$|^_?sig(?:term|int)_\w+$|"
                       r"^_?handle_?sig\w*$|^_?terminate_process_handler$", re.IGNORECASE)
 # library code: an installed package or the standard library
-_LIBRARY = re.compile(r"/(?:site|dist)-packages/|/lib/python\d[\d.]*/|^<frozen ")
+LIBRARY_FILE = re.compile(r"/(?:site|dist)-packages/|/lib/python\d[\d.]*/|^<frozen ")
 _COLLECTIVE_FILE = re.compile(r"/torch/distributed/")
 
 
@@ -127,6 +127,6 @@ def _place(file: str, func: str) -> tuple[str, str]:
     name = file.rsplit("/", 1)[-1]
     if func in WAITING_FRAMES or _COLLECTIVE_FILE.search(file):
         return "waiting", f"`{func}` in {name}"
-    if _LIBRARY.search(file):
+    if LIBRARY_FILE.search(file):
         return "library", f"`{func}` in {name}"
     return "working", f"`{func}` in {name}"

@@ -170,12 +170,10 @@ def sender_may_be_a_neighbour(root: RootCause, findings: list[Finding], known: s
 def fell_behind(last_step: dict[int, int], known: set[int]) -> int | None:
     """The one rank whose last step is earlier than every other known rank's, all of which printed the same
     one."""
-    if len(known) < 3 or not known <= set(last_step):
+    rank = ran_ahead({r: -step for r, step in last_step.items()}, known)   # the one lowest, as ran_ahead's highest
+    if rank is None or {last_step[r] for r in known if r != rank} != {last_step[rank] + 1}:
         return None
-    low = min(last_step[r] for r in known)
-    laggards = [r for r in known if last_step[r] == low]
-    others = {last_step[r] for r in known} - {low}
-    return laggards[0] if len(laggards) == 1 and others == {low + 1} else None
+    return rank
 
 
 def ran_ahead(last_step: dict[int, int], known: set[int]) -> int | None:

@@ -11,6 +11,7 @@ import re
 from dataclasses import replace
 
 from logtriage.analysis.findings import Finding
+from logtriage.analysis.interrupted_work import LIBRARY_FILE
 from logtriage.analysis.roots import RankFacts, RootCause
 from logtriage.analysis.stalls import WATCHDOG_RULE
 from logtriage.analysis.timeouts import missing_rank_root
@@ -22,8 +23,6 @@ from logtriage.scan_result import ScanResult
 # a frame of faulthandler's dump: `File "/job/train.py", line 222 in main` (no comma before `in`)
 _DUMP_FRAME = re.compile(r'File "([^"\n]+)", line (\d+) in (\S+)')
 _DUMP_SPAN = 4   # the lines after `Timeout (...)!` to look in for the innermost frame (`Thread 0x...` comes first)
-# an installed library's or the standard library's file: neither torch's wait nor the program's own code
-_LIBRARY_FILE = re.compile(r"[/\\]lib[/\\]python\d[\d.]*[/\\]|<frozen ")
 
 
 def dumps_then_timeouts(scan: ScanResult, root: RootCause, findings: list[Finding], facts: RankFacts) -> RootCause:
@@ -65,7 +64,7 @@ def _own_code_dump(scan: ScanResult, dumps: list[Finding]) -> tuple[int, str] | 
             continue
         if TORCH_FILE.search(frame.group(1)):
             torch += 1
-        elif _LIBRARY_FILE.search(frame.group(1)):
+        elif LIBRARY_FILE.search(frame.group(1)):
             library += 1
         else:
             own.append((dump.rank, f"{frame.group(3)} at {frame.group(1).rsplit('/', 1)[-1]}:{frame.group(2)}"))

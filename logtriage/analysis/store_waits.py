@@ -12,7 +12,7 @@ from dataclasses import replace
 from logtriage.analysis.findings import Finding
 from logtriage.analysis.roots import RankFacts, RootCause, read_as
 from logtriage.analysis.signal_readings import exit_rule
-from logtriage.analysis.timeouts import missing_rank_root
+from logtriage.analysis.timeouts import STORE_WAIT_RULE, missing_rank_root
 from logtriage.catalog.loader import Catalog
 from logtriage.catalog.rule import Category
 
@@ -36,7 +36,7 @@ def unique_id_host_left(root: RootCause, catalog: Catalog) -> RootCause:
         f"{peer} ({f.captures['reason']}): rank {peer} went away first, and its own error is not in this log",))
 
 
-STORE_TIMEOUT_RULES = frozenset({"dist.store_wait_timeout", "dist.store_connect_timeout"})
+STORE_TIMEOUT_RULES = frozenset({STORE_WAIT_RULE, "dist.store_connect_timeout"})
 STORE_WAIT_IN_COLLECTIVE = "dist.store_wait_in_collective"
 
 

@@ -73,7 +73,7 @@ def _debug_report(p: WaitPicture) -> RootCause | None:
 
 # c10d's store client timing out on a key (`wait timeout after 5000ms, keys: /default_pg/0//job/ready`, or its socket's
 # `timed out after 12000ms`)
-_STORE_WAIT_RULE = "dist.store_wait_timeout"
+STORE_WAIT_RULE = "dist.store_wait_timeout"
 
 
 def _own_store_wait(p: WaitPicture) -> RootCause | None:
@@ -81,13 +81,13 @@ def _own_store_wait(p: WaitPicture) -> RootCause | None:
     call in its traceback), while every other rank that waited did so in a collective, or none waited and the
     others only lost their connection when it left: it was in a handshake of its own the others never made, and
     they waited for it in their collective (a key no rank sets, or set on another path)."""
-    store = [f for f in p.timeouts if f.rule.id == _STORE_WAIT_RULE]
+    store = [f for f in p.timeouts if f.rule.id == STORE_WAIT_RULE]
     ranks = {f.rank for f in store}
     if len(ranks) != 1 or None in ranks or any(f.collective for f in store):
         return None
     rank = next(iter(ranks))
     others = [f for f in p.timeouts if f.rank != rank]
-    if others and not all(f.collective and f.rule.id != _STORE_WAIT_RULE for f in others):
+    if others and not all(f.collective and f.rule.id != STORE_WAIT_RULE for f in others):
         return None
     if not others and not (p.peer_closed - {rank}):
         return None
